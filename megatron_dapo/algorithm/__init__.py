@@ -1,0 +1,1 @@
+"""Pure DAPO algorithm functions: tensors in, tensors out, no process groups."""

@@ -1,0 +1,1 @@
+"""Rule-based rewards, the overlong penalty and the batch reward manager."""
