@@ -1,0 +1,581 @@
+"""Typed configuration: dataclasses, a YAML file, dotted CLI overrides, validation at start.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["trainer.total_steps=10", "rollout.n=8"])
+
+Every key is declared here with its type and default. Unknown keys, wrong types and impossible
+combinations fail in `load_config` with a `ConfigError` naming the key and the fix, so a typo
+never silently falls back to a default after an hour in a queue. YAML values may use OmegaConf
+interpolation (`${rollout.max_response_length}`); overrides are parsed as YAML scalars
+(`trainer.total_steps=10` is an int, `model.megatron_checkpoint=null` is None).
+
+The data-parallel size is not a key: it is derived from the world size (`Config.resolve_world`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+__all__ = [
+    "AlgorithmConfig",
+    "Config",
+    "CustomRewardFunctionConfig",
+    "ConfigError",
+    "DataConfig",
+    "FilterGroupsConfig",
+    "KLConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "OverlongBufferConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "load_config",
+    "config_to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything expensive starts."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = ""
+    """HuggingFace model directory (config.json, safetensors, tokenizer files)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter / compute dtype of actor, reference and rollout."""
+    megatron_checkpoint: Optional[str] = None
+    """Megatron distributed checkpoint to start from instead of converting `hf_dir` at start."""
+    transformer_engine: Literal["auto", "on", "off"] = "auto"
+    """Layer implementation: Transformer Engine when installed ("auto"), required ("on"), or the local spec."""
+    recompute_activations: bool = False
+    """Full activation recomputation, trading compute for memory on long responses."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size of the actor and reference."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); null disables it."""
+    cp: int = 1
+    """Context-parallel size (needs Transformer Engine)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside TP groups."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    dp: Optional[int] = field(default=None, metadata={"derived": True})
+    """Derived: world_size / (tp * pp * cp). Not settable."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    """Generation engine: the embedded HF engine (no extra dependency), vLLM or SGLang."""
+    n: int = 16
+    """Responses sampled per prompt (the group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_prompt_length: int = 2048
+    max_response_length: int = 20480
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings besides the tokenizer's EOS."""
+    tp: int = 1
+    """Tensor-parallel size of each rollout engine (must divide the world size)."""
+    gpu_memory_utilization: float = 0.6
+    free_cache_engine: bool = True
+    """Sleep the engine during training to free its KV cache (GPU engines only)."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size of the actor -> engine weight stream; peak extra memory is one bucket."""
+    val_n: int = 1
+    """Samples per prompt during validation (k of avg@k / pass@k)."""
+    val_temperature: float = 1.0
+    val_top_p: float = 0.7
+    seed: int = 0
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = True
+    """Dynamic sampling: drop prompt groups whose metric is constant, generate more until full."""
+    metric: str = "acc"
+    """Per-sample value compared within a group; the raw accuracy, never the shaped reward."""
+    max_num_gen_batches: int = 10
+    """Give up after this many generation batches in one step (0 = unlimited)."""
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = True
+    """Soft overlong punishment (DAPO eq. 13)."""
+    len: int = 4096
+    """Length of the punishment interval before `rollout.max_response_length`."""
+    penalty_factor: float = 1.0
+    apply_in_validation: bool = True
+
+
+@dataclass
+class KLConfig:
+    use_kl_loss: bool = False
+    """Add a KL(actor || reference) loss term; DAPO uses none, and then no reference model is built."""
+    coef: float = 0.001
+    type: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+
+
+@dataclass
+class AlgorithmConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    """Decoupled upper clip range (DAPO clip-higher)."""
+    clip_c: Optional[float] = 3.0
+    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    norm_adv_by_std: bool = True
+    """Divide group-centred scores by the group std (GRPO); false gives Dr. GRPO."""
+    entropy_coeff: float = 0.0
+    kl: KLConfig = field(default_factory=KLConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False
+    """Mask truncated responses out of the loss."""
+    tis_cap: Optional[float] = None
+    """Truncated importance-sampling correction of rollout/trainer mismatch (token cap); null disables."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet or jsonl files in the verl/DAPO schema."""
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    overlong_prompts: Literal["drop", "truncate", "error"] = "drop"
+    """What to do with prompts longer than `rollout.max_prompt_length`."""
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    seed: int = 1
+    val_max_samples: int = -1
+    """-1 uses the whole validation set."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    """`package.module:function`, `/path/to/file.py:function`, or a module / file path with `name` set;
+    null uses the DAPO math reward."""
+    name: Optional[str] = None
+    """Function name when `path` does not include it."""
+
+
+@dataclass
+class RewardConfig:
+    custom_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    num_workers: int = 0
+    """Scoring processes; 0 picks min(8, cpu count)."""
+    timeout_s: float = 10.0
+    """Per-sample scoring timeout; a sample that raises or hangs gets the minimum reward."""
+    min_reward: float = -1.0
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 10
+    """Linear warm-up over this many optimizer (rollout) steps, then constant (DAPO recipe)."""
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    """Optimizer (rollout) steps; generation batches are counted separately."""
+    train_batch_size: int = 512
+    """Prompts per step after dynamic sampling."""
+    gen_batch_size: int = 1536
+    """Prompts sampled per generation batch (>= train_batch_size)."""
+    ppo_mini_batch_size: int = 32
+    """Prompts per optimizer update; train_batch_size / ppo_mini_batch_size updates per step."""
+    ppo_epochs: int = 1
+    micro_batch_size: int = 1
+    """Sequences per micro-batch when `max_tokens_per_micro_batch` is 0."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget per micro-batch (dynamic batch size); 0 uses `micro_batch_size`."""
+    save_every: int = 50
+    """Checkpoint every N steps (0 = only at the end and on SIGTERM)."""
+    keep_last: int = 2
+    eval_every: int = 10
+    """Validate every N steps (0 = never)."""
+    val_before_train: bool = True
+    output_dir: str = "outputs/run"
+    experiment_name: str = "dapo"
+    seed: int = 42
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    collective_timeout_s: float = 1800.0
+    """A hung rank fails the job after this many seconds instead of idling."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def resolve_world(self, world_size: int) -> "Config":
+        """Derive the data-parallel size from the world size and check the layout fits it."""
+        validate_world(self, world_size)
+        self.parallel.dp = world_size // (self.parallel.tp * self.parallel.pp * self.parallel.cp)
+        return self
+
+
+_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file (optional), apply dotted `key=value` overrides, build and validate a Config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = OmegaConf.create({}) if path is None else _load_yaml(path)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(
+                    f"override {item!r} is not of the form key=value (e.g. trainer.total_steps=10)"
+                )
+            key, _ = item.split("=", 1)
+            _check_key_path(key.strip())
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        raw = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"could not read the configuration: {exc}") from exc
+    cfg = _build(Config, raw or {}, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def _load_yaml(path: str | os.PathLike):
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    loaded = OmegaConf.load(path)
+    if not isinstance(loaded, type(OmegaConf.create({}))):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
+    return loaded
+
+
+def _check_key_path(key: str) -> None:
+    """Reject a misspelt override before merging, with the closest valid key."""
+    cls: Any = Config
+    walked: list[str] = []
+    for part in key.split("."):
+        if cls is None:
+            raise ConfigError(f"config key '{'.'.join(walked)}' is a value, not a section: cannot set '{key}'")
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            _unknown_key(".".join(walked + [part]), hints)
+        walked.append(part)
+        cls = hints[part] if dataclasses.is_dataclass(hints[part]) else None
+
+
+def _unknown_key(key: str, valid: typing.Iterable[str]) -> typing.NoReturn:
+    valid = sorted(valid)
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, valid, n=1)
+    parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    hint = f" Did you mean '{parent}{close[0]}'?" if close else ""
+    raise ConfigError(f"unknown config key '{key}'.{hint} Valid keys here: {', '.join(valid)}")
+
+
+def _build(cls, raw: Any, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"'{prefix.rstrip('.') or 'the config'}' must be a mapping of keys, got {type(raw).__name__} {raw!r}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            _unknown_key(prefix + str(key), fields)
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        key = prefix + name
+        if f.metadata.get("derived") and raw[name] is not None:
+            raise ConfigError(
+                f"'{key}' is derived from the world size and cannot be set; "
+                "set parallel.tp / parallel.pp / parallel.cp and launch with the matching number of processes"
+            )
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, raw[name] if raw[name] is not None else {}, key + ".")
+        else:
+            kwargs[name] = _coerce(raw[name], annotation, key)
+    return cls(**kwargs)
+
+
+def _type_name(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _coerce(value: Any, annotation, key: str):
+    """Check `value` against the declared type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    fail = ConfigError(f"'{key}' must be {_type_name(annotation)}, got {value!r} ({type(value).__name__})")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for candidate in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, candidate, key)
+            except ConfigError:
+                continue
+        raise fail
+    if origin is Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"'{key}' must be one of {', '.join(repr(a) for a in args)}, got {value!r}.{hint}")
+    if origin is list:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            if isinstance(value, str) and args and args[0] is str:
+                return [value]  # a single path is a list of one
+            raise fail
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise fail
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise fail
+    raise fail
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain nested dict (for logging, checkpoint metadata and `megatron-dapo config`)."""
+    return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need only the config (and the model's config.json when it is readable)."""
+    p, r, a, t, o = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.trainer, cfg.optimizer
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("rollout.tp", r.tp)):
+        _require(value >= 1, f"'{key}' must be >= 1, got {value}")
+    _require(p.vpp is None or p.vpp >= 1, f"'parallel.vpp' must be null or >= 1, got {p.vpp}")
+    _require(
+        p.vpp is None or p.vpp == 1 or p.pp > 1,
+        f"'parallel.vpp'={p.vpp} needs pipeline parallelism: set parallel.pp > 1 or parallel.vpp=null",
+    )
+
+    _require(r.n >= 1, f"'rollout.n' must be >= 1, got {r.n}")
+    _require(r.temperature > 0, f"'rollout.temperature' must be > 0, got {r.temperature}")
+    _require(0 < r.top_p <= 1, f"'rollout.top_p' must be in (0, 1], got {r.top_p}")
+    _require(r.top_k == -1 or r.top_k >= 1, f"'rollout.top_k' must be -1 (off) or >= 1, got {r.top_k}")
+    _require(r.max_prompt_length >= 1, f"'rollout.max_prompt_length' must be >= 1, got {r.max_prompt_length}")
+    _require(r.max_response_length >= 1, f"'rollout.max_response_length' must be >= 1, got {r.max_response_length}")
+    _require(r.val_n >= 1, f"'rollout.val_n' must be >= 1, got {r.val_n}")
+    _require(r.val_temperature >= 0, f"'rollout.val_temperature' must be >= 0, got {r.val_temperature}")
+    _require(0 < r.val_top_p <= 1, f"'rollout.val_top_p' must be in (0, 1], got {r.val_top_p}")
+    _require(0 < r.gpu_memory_utilization <= 1, "'rollout.gpu_memory_utilization' must be in (0, 1]")
+    _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
+
+    _require(0 <= a.clip_low < 1, f"'algorithm.clip_low' must be in [0, 1), got {a.clip_low}")
+    _require(a.clip_high >= 0, f"'algorithm.clip_high' must be >= 0, got {a.clip_high}")
+    _require(
+        a.clip_c is None or a.clip_c > 1,
+        f"'algorithm.clip_c' (dual-clip) must be > 1 or null to disable it, got {a.clip_c}",
+    )
+    _require(a.kl.coef >= 0, f"'algorithm.kl.coef' must be >= 0, got {a.kl.coef}")
+    _require(a.entropy_coeff >= 0, f"'algorithm.entropy_coeff' must be >= 0, got {a.entropy_coeff}")
+    _require(
+        a.filter_groups.max_num_gen_batches >= 0,
+        "'algorithm.filter_groups.max_num_gen_batches' must be >= 0 (0 = unlimited)",
+    )
+    _require(a.tis_cap is None or a.tis_cap > 0, f"'algorithm.tis_cap' must be > 0 or null, got {a.tis_cap}")
+    ob = a.overlong_buffer
+    if ob.enable:
+        _require(ob.len >= 1, f"'algorithm.overlong_buffer.len' must be >= 1 when enabled, got {ob.len}")
+        _require(
+            ob.len <= r.max_response_length,
+            f"'algorithm.overlong_buffer.len'={ob.len} is longer than 'rollout.max_response_length'="
+            f"{r.max_response_length}: shorten the buffer or raise the max response length",
+        )
+        _require(ob.penalty_factor >= 0, "'algorithm.overlong_buffer.penalty_factor' must be >= 0")
+
+    for key in ("total_steps", "train_batch_size", "gen_batch_size", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_size"):
+        value = getattr(t, key)
+        _require(value >= 1, f"'trainer.{key}' must be >= 1, got {value}")
+    for key in ("max_tokens_per_micro_batch", "save_every", "eval_every"):
+        value = getattr(t, key)
+        _require(value >= 0, f"'trainer.{key}' must be >= 0, got {value}")
+    _require(t.keep_last >= 1, f"'trainer.keep_last' must be >= 1, got {t.keep_last}")
+    _require(t.collective_timeout_s > 0, "'trainer.collective_timeout_s' must be > 0")
+    _require(
+        t.gen_batch_size >= t.train_batch_size,
+        f"'trainer.gen_batch_size'={t.gen_batch_size} is smaller than 'trainer.train_batch_size'="
+        f"{t.train_batch_size}: a generation batch must hold at least one train batch of prompts; "
+        f"raise trainer.gen_batch_size (DAPO uses 3x)",
+    )
+    _require(
+        t.train_batch_size % t.ppo_mini_batch_size == 0,
+        f"'trainer.train_batch_size'={t.train_batch_size} is not a multiple of 'trainer.ppo_mini_batch_size'="
+        f"{t.ppo_mini_batch_size}: pick a mini-batch size that divides it",
+    )
+    if t.max_tokens_per_micro_batch:
+        longest = r.max_prompt_length + r.max_response_length
+        _require(
+            t.max_tokens_per_micro_batch >= longest,
+            f"'trainer.max_tokens_per_micro_batch'={t.max_tokens_per_micro_batch} cannot hold one full sequence "
+            f"(rollout.max_prompt_length + rollout.max_response_length = {longest}); raise it to at least {longest}",
+        )
+    for name in t.loggers:
+        _require(name in _LOGGERS, f"'trainer.loggers' has unknown logger {name!r}; valid: {', '.join(_LOGGERS)}")
+
+    _require(o.lr > 0, f"'optimizer.lr' must be > 0, got {o.lr}")
+    _require(o.warmup_steps >= 0, f"'optimizer.warmup_steps' must be >= 0, got {o.warmup_steps}")
+    _require(o.weight_decay >= 0, f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
+    _require(o.grad_clip >= 0, f"'optimizer.grad_clip' must be >= 0 (0 disables), got {o.grad_clip}")
+    _require(0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1, "'optimizer.adam_beta1/2' must be in [0, 1)")
+
+    _require(cfg.reward.num_workers >= 0, "'reward.num_workers' must be >= 0 (0 = automatic)")
+    _require(cfg.reward.timeout_s > 0, "'reward.timeout_s' must be > 0")
+    custom = cfg.reward.custom_function
+    if custom.path is not None:
+        _require(
+            ":" in custom.path or custom.name is not None,
+            f"'reward.custom_function.path'={custom.path!r} does not name the function: write "
+            "'package.module:function' or '/path/to/file.py:function', or set 'reward.custom_function.name'",
+        )
+    else:
+        _require(custom.name is None, "'reward.custom_function.name' is set but 'reward.custom_function.path' is not")
+
+    if cfg.model.hf_dir:
+        model_config = Path(cfg.model.hf_dir) / "config.json"
+        if model_config.is_file():
+            validate_model_shape(cfg, json.loads(model_config.read_text()))
+
+
+def validate_model_shape(cfg: Config, hf_config: dict) -> None:
+    """Parallel sizes against the model's shape: heads and query groups by TP, layers by PP x VPP."""
+    p = cfg.parallel
+    heads = int(hf_config.get("num_attention_heads", 0) or 0)
+    groups = int(hf_config.get("num_key_value_heads", heads) or heads)
+    layers = int(hf_config.get("num_hidden_layers", 0) or 0)
+
+    def divisors(n: int) -> str:
+        return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+    if heads:
+        _require(
+            heads % p.tp == 0,
+            f"'parallel.tp'={p.tp} does not divide the model's num_attention_heads={heads}: "
+            f"use parallel.tp in {{{divisors(heads)}}}",
+        )
+    if groups:
+        _require(
+            groups % p.tp == 0,
+            f"'parallel.tp'={p.tp} does not divide the model's num_key_value_heads={groups} (query groups): "
+            f"use parallel.tp in {{{divisors(groups)}}}",
+        )
+    if layers:
+        stages = p.pp * (p.vpp or 1)
+        _require(
+            layers % stages == 0,
+            f"the model's num_hidden_layers={layers} is not divisible by parallel.pp x parallel.vpp = {stages}: "
+            f"change 'parallel.pp' / 'parallel.vpp' so that their product is in {{{divisors(layers)}}}",
+        )
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the number of processes (pre-flight, before any model loads)."""
+    p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
+    model_parallel = p.tp * p.pp * p.cp
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+        f"{p.tp} x {p.pp} x {p.cp} = {model_parallel}: launch a multiple of {model_parallel} processes "
+        f"or change 'parallel.tp' / 'parallel.pp' / 'parallel.cp'",
+    )
+    _require(
+        world_size % r.tp == 0,
+        f"world size {world_size} is not divisible by 'rollout.tp'={r.tp}",
+    )
+    dp = world_size // model_parallel
+    sequences = t.ppo_mini_batch_size * r.n
+    _require(
+        sequences % dp == 0,
+        f"a mini-batch of trainer.ppo_mini_batch_size x rollout.n = {t.ppo_mini_batch_size} x {r.n} = {sequences} "
+        f"sequences cannot be split evenly over {dp} data-parallel ranks: change 'trainer.ppo_mini_batch_size' "
+        f"or the number of processes",
+    )
+    if not t.max_tokens_per_micro_batch:
+        _require(
+            (sequences // dp) % t.micro_batch_size == 0,
+            f"each data-parallel rank gets {sequences // dp} sequences per mini-batch, not a multiple of "
+            f"'trainer.micro_batch_size'={t.micro_batch_size}: change it to a divisor of {sequences // dp}",
+        )
