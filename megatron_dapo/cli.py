@@ -1,0 +1,47 @@
+"""`megatron-dapo` command line: one entry point, one subcommand per job.
+
+Subcommands live in their own modules, each exposing `add_arguments(parser)` and `run(args) -> int`.
+Those modules keep heavy imports (torch, Megatron, engines) inside `run`, so `--help` is fast and an
+optional engine that is not installed never breaks an unrelated command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Order is the order shown by --help.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "megatron_dapo.demo",
+        "the main job on the embedded CPU default (today: the DAPO algorithm walk-through, see README)",
+    ),
+    "config": ("megatron_dapo.config_cli", "print the resolved configuration of a YAML file + overrides, or its error"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-dapo",
+        description="DAPO reinforcement learning on Megatron-Core. Run `megatron-dapo <command> --help` for details.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Config loading: YAML + dotted overrides, strict keys and types, impossible combinations."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import Config, ConfigError, config_to_dict, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def write_yaml(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_dapo_paper_settings():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    a = cfg.algorithm
+    assert (a.clip_low, a.clip_high, a.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert a.filter_groups.enable and a.filter_groups.metric == "acc"
+    assert (a.overlong_buffer.len, a.overlong_buffer.penalty_factor) == (4096, 1.0)
+    assert cfg.rollout.max_response_length == 20480 and cfg.rollout.n == 16
+    assert not a.kl.use_kl_loss
+    assert cfg.optimizer.lr == 1e-6 and cfg.optimizer.weight_decay == 0.1
+
+
+def test_yaml_and_overrides_are_typed(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        "trainer:\n  total_steps: 3\n  train_batch_size: 4\n  gen_batch_size: 8\n  ppo_mini_batch_size: 2\n"
+        "rollout:\n  max_response_length: 64\nalgorithm:\n  overlong_buffer:\n    len: ${rollout.max_response_length}\n",
+    )
+    cfg = load_config(path, ["trainer.total_steps=10", "optimizer.lr=3", "algorithm.clip_c=null", "data.train_files=a.jsonl"])
+    assert cfg.trainer.total_steps == 10
+    assert cfg.optimizer.lr == 3.0 and isinstance(cfg.optimizer.lr, float)  # ints accepted for floats
+    assert cfg.algorithm.clip_c is None
+    assert cfg.algorithm.overlong_buffer.len == 64  # interpolation resolved
+    assert cfg.data.train_files == ["a.jsonl"]  # a single path is a list of one
+    assert config_to_dict(cfg)["trainer"]["total_steps"] == 10
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.total_step=1", "Did you mean 'trainer.total_steps'"),
+        ("algorithm.filter_groups.enabl=true", "'algorithm.filter_groups.enable'"),
+        ("foo.bar=1", "unknown config key 'foo'"),
+        ("trainer.total_steps.x=1", "is a value, not a section"),
+        ("trainer.total_steps=1.5", "'trainer.total_steps' must be int"),
+        ("trainer.total_steps=true", "'trainer.total_steps' must be int"),
+        ("algorithm.filter_groups.enable=3", "must be bool"),
+        ("rollout.engine=vlm", "Did you mean 'vllm'"),
+        ("algorithm.kl=3", "'algorithm.kl' must be a mapping"),
+        ("parallel.dp=2", "derived from the world size"),
+        ("trainer.total_steps", "key=value"),
+    ],
+)
+def test_bad_keys_and_types_name_the_key(override, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.").replace("'", "'")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = write_yaml(tmp_path, "rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match="Did you mean 'rollout.temperature'"):
+        load_config(path)
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write_yaml(tmp_path, "- 1\n- 2\n"))
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.gen_batch_size=8", "trainer.train_batch_size=16"], "raise trainer.gen_batch_size"),
+        (["rollout.max_response_length=100", "algorithm.overlong_buffer.len=200"], "shorten the buffer"),
+        (["trainer.train_batch_size=10", "trainer.gen_batch_size=10", "trainer.ppo_mini_batch_size=4"], "not a multiple"),
+        (["algorithm.clip_c=0.5"], "must be > 1 or null"),
+        (["rollout.top_p=0"], "rollout.top_p"),
+        (["rollout.temperature=0"], "rollout.temperature"),
+        (["parallel.vpp=2"], "needs pipeline parallelism"),
+        (["parallel.tp=0"], "'parallel.tp' must be >= 1"),
+        (["trainer.max_tokens_per_micro_batch=100"], "cannot hold one full sequence"),
+        (["trainer.loggers=[console,foo]"], "unknown logger 'foo'"),
+        (["reward.custom_function.path=mymodule"], "does not name the function"),
+        (["reward.custom_function.name=f"], "'reward.custom_function.path' is not"),
+    ],
+)
+def test_impossible_combinations(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)
+
+
+def test_overlong_buffer_check_skipped_when_disabled():
+    cfg = load_config(None, ["rollout.max_response_length=100", "algorithm.overlong_buffer.enable=false"])
+    assert cfg.algorithm.overlong_buffer.len == 4096
+
+
+def _model_dir(tmp_path, heads=16, kv=4, layers=6):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": layers})
+    )
+    return str(model)
+
+
+def test_heads_not_divisible_by_tp(tmp_path):
+    model = _model_dir(tmp_path)
+    with pytest.raises(ConfigError, match=r"'parallel.tp'=3 does not divide the model's num_attention_heads=16"):
+        load_config(None, [f"model.hf_dir={model}", "parallel.tp=3"])
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=4 .*use parallel.tp in \{1, 2, 4\}"):
+        load_config(None, [f"model.hf_dir={model}", "parallel.tp=8"])
+    with pytest.raises(ConfigError, match="num_hidden_layers=6 is not divisible by parallel.pp x parallel.vpp = 4"):
+        load_config(None, [f"model.hf_dir={model}", "parallel.pp=4"])
+    cfg = load_config(None, [f"model.hf_dir={model}", "parallel.tp=4", "parallel.pp=3"])
+    assert cfg.parallel.tp == 4
+
+
+def test_world_size_checks():
+    cfg = load_config(
+        None,
+        ["parallel.tp=2", "trainer.train_batch_size=4", "trainer.gen_batch_size=4", "trainer.ppo_mini_batch_size=2",
+         "rollout.n=3", "trainer.micro_batch_size=1"],
+    )
+    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+        cfg.resolve_world(3)
+    with pytest.raises(ConfigError, match="cannot be split evenly over 4 data-parallel ranks"):
+        cfg.resolve_world(8)
+    assert cfg.resolve_world(4).parallel.dp == 2
+    cfg.trainer.micro_batch_size = 2
+    with pytest.raises(ConfigError, match="'trainer.micro_batch_size'=2"):
+        cfg.resolve_world(4)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config(path)
