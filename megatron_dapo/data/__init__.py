@@ -1,0 +1,1 @@
+"""Prompt datasets, synthetic tasks and batching (micro-batch splitting, sequence packing)."""

@@ -1,0 +1,193 @@
+"""The parallel layout of a run: sizes, their validation, and which ranks form which group.
+
+Pure Python (no torch.distributed): the pre-flight check and the `plan` command use it before any
+process group exists. The rank numbering follows Megatron-Core's default order "tp-cp-ep-dp-pp"
+(tensor-parallel ranks are adjacent, pipeline stages are the slowest-varying), so the groups
+printed by `describe()` are the groups `parallel_state.initialize_model_parallel` creates; a
+multi-process test checks that against Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["ParallelLayout", "divisors"]
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of n, ascending (used in the 'use parallel.tp in {...}' hints)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _set(values: list[int]) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor / pipeline / virtual-pipeline / context parallel sizes; data-parallel is derived.
+
+    `world_size` is None until the layout is resolved against a launch (`resolve`), after which
+    `dp = world_size / (tp * pp * cp)`.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    world_size: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, parallel_cfg: Any, world_size: Optional[int] = None) -> "ParallelLayout":
+        """Build from any object with tp/pp/vpp/cp attributes (e.g. `config.ParallelConfig`)."""
+        return cls(
+            tp=int(parallel_cfg.tp),
+            pp=int(parallel_cfg.pp),
+            vpp=None if getattr(parallel_cfg, "vpp", None) is None else int(parallel_cfg.vpp),
+            cp=int(getattr(parallel_cfg, "cp", 1)),
+            world_size=world_size,
+        )
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def vpp_size(self) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        return 1 if self.vpp is None else self.vpp
+
+    @property
+    def megatron_vpp(self) -> Optional[int]:
+        """The virtual-pipeline size to give Megatron: None without interleaving (vpp null or 1)."""
+        return None if self.vpp is None or self.vpp == 1 else self.vpp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size, derived from the world size."""
+        if self.world_size is None:
+            raise ValueError("the data-parallel size is derived from the world size: call resolve(world_size) first")
+        return self.world_size // self.model_parallel_size
+
+    def resolve(self, world_size: int) -> "ParallelLayout":
+        """This layout for a launch of `world_size` processes, validated."""
+        resolved = ParallelLayout(self.tp, self.pp, self.vpp, self.cp, world_size)
+        resolved.validate(world_size)
+        return resolved
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(
+        self,
+        world_size: Optional[int] = None,
+        num_layers: Optional[int] = None,
+        num_attention_heads: Optional[int] = None,
+        num_query_groups: Optional[int] = None,
+    ) -> None:
+        """Raise ValueError naming the config key and the fix for any size that does not fit.
+
+        Model arguments left as None are not checked (the world-size check runs at launch, the model
+        checks once the HF config is read).
+        """
+        for key, value in (("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.cp", self.cp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} must be a positive integer")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"parallel.vpp={self.vpp!r} must be null or a positive integer")
+            if self.vpp > 1 and self.pp == 1:
+                raise ValueError(
+                    f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp > 1 or parallel.vpp=null"
+                )
+        if world_size is not None:
+            mp = self.model_parallel_size
+            if world_size < 1 or world_size % mp != 0:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+                    f"{self.tp} x {self.pp} x {self.cp} = {mp}: launch a multiple of {mp} processes or change "
+                    f"parallel.tp / parallel.pp / parallel.cp (their product must be in {_set(divisors(world_size))})"
+                )
+        if num_attention_heads is not None and num_attention_heads % self.tp != 0:
+            raise ValueError(
+                f"parallel.tp={self.tp} does not divide model num_attention_heads={num_attention_heads}: "
+                f"use parallel.tp in {_set(divisors(num_attention_heads))}"
+            )
+        if num_query_groups is not None and num_query_groups % self.tp != 0:
+            raise ValueError(
+                f"parallel.tp={self.tp} does not divide model num_key_value_heads={num_query_groups} "
+                f"(query groups): use parallel.tp in {_set(divisors(num_query_groups))}"
+            )
+        if num_layers is not None:
+            stages = self.pp * self.vpp_size
+            if num_layers % stages != 0:
+                if self.vpp is None:
+                    raise ValueError(
+                        f"parallel.pp={self.pp} does not divide model num_hidden_layers={num_layers}: "
+                        f"use parallel.pp in {_set(divisors(num_layers))}"
+                    )
+                raise ValueError(
+                    f"parallel.pp x parallel.vpp = {self.pp} x {self.vpp} = {stages} does not divide model "
+                    f"num_hidden_layers={num_layers}: choose parallel.pp and parallel.vpp whose product is in "
+                    f"{_set(divisors(num_layers))}"
+                )
+
+    # ------------------------------------------------------------------ rank coordinates
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) ranks of a global rank in Megatron's default "tp-cp-ep-dp-pp" order."""
+        dp = self.dp  # raises if the world size is not resolved
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % dp
+        pp_rank = rank // (self.tp * self.cp * dp)
+        return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Inverse of `coordinates`."""
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """All process groups of one kind ("tp", "cp", "dp" or "pp"), each a sorted rank list."""
+        if kind not in ("tp", "cp", "dp", "pp"):
+            raise ValueError(f"unknown group kind {kind!r}")
+        if self.world_size is None:
+            raise ValueError("groups need the world size: call resolve(world_size) first")
+        seen: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            coords = self.coordinates(rank)
+            key = tuple(v for k, v in coords.items() if k != kind)
+            seen.setdefault(key, []).append(rank)
+        return sorted(seen.values())
+
+    def layers_of_stage(self, num_layers: int, pp_rank: int, vpp_rank: int = 0) -> range:
+        """Global layer indices held by model chunk `vpp_rank` of pipeline rank `pp_rank` (even split)."""
+        per_chunk = num_layers // (self.pp * self.vpp_size)
+        start = vpp_rank * (num_layers // self.vpp_size) + pp_rank * per_chunk
+        return range(start, start + per_chunk)
+
+    def describe(self, num_layers: Optional[int] = None) -> str:
+        """A multi-line description of the resolved layout for the pre-flight print."""
+        if self.world_size is None:
+            return f"tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} (world size not resolved)"
+        lines = [
+            f"world={self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}"
+            + (f" (vpp {self.vpp} chunks per pipeline rank)" if self.vpp else "")
+        ]
+        for kind in ("tp", "cp", "dp", "pp"):
+            size = getattr(self, kind)
+            if size > 1 or kind == "dp":
+                lines.append(f"  {kind.upper()} groups: " + " ".join(str(g) for g in self.groups(kind)))
+        if num_layers is not None and self.pp > 1:
+            for pp_rank in range(self.pp):
+                chunks = []
+                for v in range(self.vpp_size):
+                    layers = self.layers_of_stage(num_layers, pp_rank, v)
+                    chunks.append(f"layers {layers.start}-{layers.stop - 1}")
+                lines.append(f"  PP stage {pp_rank}: " + "; ".join(chunks))
+        return "\n".join(lines)

@@ -1,0 +1,335 @@
+"""HF model description -> Megatron `TransformerConfig` and this rank's `GPTModel` chunk(s).
+
+    models = build_gpt_models(hf_cfg, layout, dtype=torch.bfloat16)   # list: one per VPP chunk
+    check_against_hf(models, hf_cfg)                                  # fail loudly on any mismatch
+
+Call after `distributed.setup.init_distributed` (Megatron's parallel state must exist).
+
+Layer implementation: the Transformer Engine spec when TE is importable on a CUDA machine
+("auto"), required ("on") or never ("off"); otherwise Megatron's local spec with RMSNorm. TE is
+imported lazily and a broken TE install counts as "not available" under "auto".
+
+Attention masks. Both specs build the causal mask themselves when given `attention_mask=None`
+(the local spec's `DotProductAttention` via `attn_mask_type=causal`; on the CPU the compat layer
+reroutes its `device="cuda"` mask to the CPU). For explicit masks with the local spec, pass
+`causal_attention_mask(seq_len)` (True = masked, shape [1, 1, s, s]); `attention_mask_for` returns
+what a forward helper should pass for a given model.
+
+RoPE. Plain RoPE matches HF by construction. For Llama 3 scaling, Megatron's built-in scaling
+hard-codes low/high frequency factors 1/4 and an original context of 8192; we compute the inverse
+frequencies from the config's own parameters (`rope_inv_freq`, same formula as HF) and set them on
+the rotary module, so any llama3 parameters match HF exactly (the logits tests check it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Optional
+
+import torch
+
+from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.model.hf_config import HFModelConfig
+from megatron_dapo.model.mapping import LOCAL_SPEC, TE_SPEC, padded_vocab_size
+
+__all__ = [
+    "attention_mask_for",
+    "build_gpt_models",
+    "build_transformer_config",
+    "causal_attention_mask",
+    "check_against_hf",
+    "layer_spec_of",
+    "resolve_transformer_engine",
+    "rope_inv_freq",
+    "transformer_engine_available",
+    "unwrap_model",
+]
+
+TEMode = Literal["auto", "on", "off"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer Engine detection
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_engine_available() -> bool:
+    """True when TE's PyTorch API imports and CUDA is available (TE has no CPU kernels)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken install (missing .so, ABI mismatch) must not crash the run
+        return False
+    return True
+
+
+def resolve_transformer_engine(mode: TEMode = "auto") -> bool:
+    """Whether to use the TE layer spec for `model.transformer_engine` = auto / on / off."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"model.transformer_engine must be auto, on or off, got {mode!r}")
+    if mode == "off":
+        return False
+    available = transformer_engine_available()
+    if mode == "on" and not available:
+        raise RuntimeError(
+            "model.transformer_engine=on but Transformer Engine cannot be used here (needs CUDA and an importable "
+            "transformer_engine.pytorch): install transformer-engine[pytorch] or set model.transformer_engine=auto"
+        )
+    return available
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: HFModelConfig) -> torch.Tensor:
+    """The RoPE inverse frequencies HF uses for this config (float32, [head_dim / 2])."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] != "llama3":
+        raise ValueError(f"unsupported rope_type {scaling['rope_type']!r}")
+    # Llama 3: keep high frequencies, divide low frequencies by `factor`, interpolate in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = original / low
+    high_freq_wavelen = original / high
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_attention_mask(seq_len: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """Megatron-style causal mask: bool [1, 1, s, s], True where attention is NOT allowed."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside Megatron's wrappers (DistributedDataParallel, Float16Module: `.module`)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def layer_spec_of(model: torch.nn.Module) -> str:
+    """"te" when the model's layers come from the Transformer Engine spec, else "local"."""
+    for name, _ in model.named_parameters():
+        if name.endswith("linear_qkv.layer_norm_weight"):
+            return TE_SPEC
+    return LOCAL_SPEC
+
+
+def attention_mask_for(model: torch.nn.Module, seq_len: int, device=None) -> Optional[torch.Tensor]:
+    """The mask a causal LM forward should pass: explicit for the local spec, None for TE (it is causal)."""
+    return causal_attention_mask(seq_len, device) if layer_spec_of(model) == LOCAL_SPEC else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and models
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtype_flags(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return {"params_dtype": torch.float32, "bf16": False, "fp16": False}
+    if dtype == torch.bfloat16:
+        return {"params_dtype": torch.bfloat16, "bf16": True, "fp16": False}
+    if dtype == torch.float16:
+        return {"params_dtype": torch.float16, "bf16": False, "fp16": True}
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def build_transformer_config(
+    cfg: HFModelConfig,
+    layout: ParallelLayout,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    use_te: bool = False,
+    sequence_parallel: bool = False,
+    init_weights: bool = True,
+    recompute_activations: bool = False,
+):
+    """The Megatron `TransformerConfig` equivalent to the HF model, for this layout and dtype."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    if layout.cp > 1 and not use_te:
+        raise ValueError("parallel.cp > 1 needs Transformer Engine's attention: set parallel.cp=1 or install TE on a GPU machine")
+    on_gpu = torch.cuda.is_available()
+    # Fused kernels need CUDA; with TE on a GPU use them, on the local spec / CPU use plain PyTorch.
+    fused = use_te and on_gpu
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=fused,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.megatron_vpp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=init_weights,
+        **_dtype_flags(dtype),
+    )
+    if recompute_activations:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if "transformer_impl" in fields:  # tells Megatron which implementation the spec uses
+        kwargs["transformer_impl"] = "transformer_engine" if use_te else "local"
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(cfg: HFModelConfig, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_models(
+    cfg: HFModelConfig,
+    layout: ParallelLayout,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    transformer_engine: TEMode = "auto",
+    sequence_parallel: bool = False,
+    init_weights: bool = True,
+    recompute_activations: bool = False,
+) -> list[torch.nn.Module]:
+    """This rank's `GPTModel` chunks (one per virtual-pipeline stage, in order).
+
+    `layout` must match Megatron's initialised parallel state. `init_weights=False` skips the
+    random initialisation (for models about to be loaded from a checkpoint).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    actual = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    if actual != (layout.tp, layout.pp):
+        raise ValueError(f"layout tp={layout.tp}, pp={layout.pp} differs from Megatron's parallel state tp={actual[0]}, pp={actual[1]}")
+    use_te = resolve_transformer_engine(transformer_engine)
+    config = build_transformer_config(
+        cfg,
+        layout,
+        dtype,
+        use_te=use_te,
+        sequence_parallel=sequence_parallel,
+        init_weights=init_weights,
+        recompute_activations=recompute_activations,
+    )
+    spec = _layer_spec(cfg, use_te)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = layout.megatron_vpp
+    inv_freq = rope_inv_freq(cfg)
+    models = []
+    for chunk in range(vpp or 1):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp),
+            max_sequence_length=cfg.max_position_embeddings,
+            pre_process=pp_rank == 0 and chunk == 0,
+            post_process=pp_rank == layout.pp - 1 and chunk == (vpp or 1) - 1,
+            parallel_output=True,
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling is not None,
+            rope_scaling_factor=cfg.rope_scaling["factor"] if cfg.rope_scaling else 8.0,
+            vp_stage=chunk if vpp else None,
+        )
+        rotary = model.rotary_pos_emb
+        # Set before the first forward: RotaryEmbedding.forward caches its output per length.
+        rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device)
+        models.append(model)
+    return models
+
+
+# ---------------------------------------------------------------------------------------------
+# Built model vs HF config
+# ---------------------------------------------------------------------------------------------
+
+
+def check_against_hf(models: list[torch.nn.Module], cfg: HFModelConfig) -> list[str]:
+    """Compare the built model chunks with the HF config; raise ValueError listing every mismatch.
+
+    Returns the list of checks that passed (for logs). Checks: sizes (hidden, heads, query groups,
+    head dim, FFN, layers, vocabulary and its padding), norm type and epsilon, activation, biases,
+    q/k norm, tied embeddings, RoPE base and scaling (as the exact inverse frequencies).
+    """
+    if not models:
+        raise ValueError("no model chunks to check")
+    config = models[0].config
+    tp = config.tensor_model_parallel_size
+    expected_vocab = padded_vocab_size(cfg.vocab_size, tp)
+    checks = [
+        ("hidden_size", config.hidden_size, cfg.hidden_size),
+        ("num_layers", config.num_layers, cfg.num_layers),
+        ("num_attention_heads", config.num_attention_heads, cfg.num_attention_heads),
+        ("num_query_groups (num_key_value_heads)", config.num_query_groups, cfg.num_key_value_heads),
+        ("kv_channels (head_dim)", config.kv_channels, cfg.head_dim),
+        ("ffn_hidden_size (intermediate_size)", config.ffn_hidden_size, cfg.ffn_hidden_size),
+        ("normalization", config.normalization, "RMSNorm"),
+        ("layernorm_epsilon (rms_norm_eps)", config.layernorm_epsilon, cfg.rms_norm_eps),
+        ("gated_linear_unit", config.gated_linear_unit, True),
+        ("activation_func", getattr(config.activation_func, "__name__", config.activation_func), "silu"),
+        ("add_bias_linear", config.add_bias_linear, False),
+        ("add_qkv_bias", config.add_qkv_bias, cfg.qkv_bias),
+        ("qk_layernorm", config.qk_layernorm, cfg.qk_norm),
+    ]
+    expected_inv_freq = rope_inv_freq(cfg)
+    for index, model in enumerate(models):
+        checks += [
+            (f"chunk {index} share_embeddings_and_output_weights (tie_word_embeddings)",
+             model.share_embeddings_and_output_weights, cfg.tie_word_embeddings),
+            (f"chunk {index} padded vocab_size", model.vocab_size, expected_vocab),
+            (f"chunk {index} position_embedding_type", model.position_embedding_type, "rope"),
+        ]
+        inv_freq = model.rotary_pos_emb.inv_freq.detach().float().cpu()
+        same = inv_freq.shape == expected_inv_freq.shape and torch.equal(inv_freq, expected_inv_freq)
+        checks.append((f"chunk {index} RoPE inverse frequencies (rope_theta={cfg.rope_theta}, scaling={cfg.rope_scaling})",
+                       "equal" if same else "different", "equal"))
+    failures = [f"{name}: Megatron {got!r} != HF {want!r}" for name, got, want in checks if got != want]
+    if expected_vocab < cfg.vocab_size:
+        failures.append(f"padded vocab {expected_vocab} < vocab_size {cfg.vocab_size}")
+    if failures:
+        raise ValueError("built Megatron model does not match the HF config:\n  " + "\n  ".join(failures))
+    return [f"{name}: {want!r}" for name, _, want in checks]

@@ -1,0 +1,206 @@
+"""Move weights between an HF checkpoint and this rank's sharded Megatron `GPTModel` chunks.
+
+    load_hf_into_megatron(models, hf_dir)                 # every rank, after build_gpt_models
+    for name, tensor in export_megatron_to_hf(models, hf_cfg):   # every rank, consumed to the end
+        ...
+
+Loading: each rank reads only the HF tensors of its own pipeline stage (its layers, plus the
+embedding on the first stage and the final norm / output layer on the last) and keeps only its
+tensor-parallel shard. Every parameter of the model must be written, or loading fails naming the
+ones that were not.
+
+Exporting: the mapping table's order (embedding, layers 0..L-1, final norm, output layer) is walked
+on every rank; the owning pipeline stage all-gathers the TP shards of one parameter, turns them
+into full HF tensors (vocabulary padding removed), and broadcasts them to the other stages, so
+every rank yields the same (hf_name, full tensor) sequence, one parameter at a time. It is a
+collective: all ranks of the model-parallel group must consume the iterator to the end.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from megatron_dapo.model.arch_tables import mapping_for
+from megatron_dapo.model.builder import layer_spec_of, unwrap_model
+from megatron_dapo.model.hf_config import HFModelConfig, read_hf_config
+from megatron_dapo.model.hf_weights import HFWeightReader
+from megatron_dapo.model.mapping import Map, MappingTable, ModelShape, global_layer_index, layer_location
+
+__all__ = ["export_megatron_to_hf", "load_hf_into_megatron"]
+
+
+def _parallel_ranks() -> tuple[int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def _vpp(models: Sequence[torch.nn.Module]) -> Optional[int]:
+    return len(models) if len(models) > 1 else None
+
+
+def _expected_global_rows(model: torch.nn.Module, table: MappingTable) -> list[Map]:
+    """Global (non-layer) rows a chunk must hold: embedding if first, final norm (+ output) if last."""
+    rows = []
+    for row in table.global_rows:
+        if row.megatron.startswith("embedding."):
+            if model.pre_process:
+                rows.append(row)
+        elif model.post_process:
+            rows.append(row)
+    if table.tie_word_embeddings and model.post_process and not model.pre_process:
+        rows.append(table.tied_output_row())  # Megatron's copy of the embedding on the last stage
+    return rows
+
+
+def _chunk_items(model, chunk: int, table: MappingTable, num_layers: int, pp_rank: int, pp: int, vpp):
+    """(row, global layer or None, Megatron name) for every parameter this chunk holds."""
+    spec = layer_spec_of(model)
+    per_chunk = num_layers // (pp * (vpp or 1))
+    if len(model.decoder.layers) != per_chunk:
+        raise ValueError(f"model chunk {chunk} has {len(model.decoder.layers)} layers, expected {per_chunk}")
+    for row in _expected_global_rows(model, table):
+        yield row, None, row.megatron_name(spec)
+    for local in range(per_chunk):
+        layer = global_layer_index(pp_rank, chunk, local, num_layers, pp, vpp)
+        for row in table.layer_rows:
+            yield row, layer, row.megatron_name(spec, local)
+
+
+@torch.no_grad()
+def load_hf_into_megatron(
+    models: Sequence[torch.nn.Module],
+    hf_dir: Union[str, os.PathLike],
+    hf_config: Optional[HFModelConfig] = None,
+) -> int:
+    """Copy this rank's share of the HF checkpoint in `hf_dir` into `models` (this rank's chunks).
+
+    `models` may be wrapped (DDP, Float16Module); load before building the optimizer, which copies
+    the parameters into its own main weights. Returns the number of parameters written. Raises if
+    a parameter has no source, a source is missing from the checkpoint, or shapes disagree.
+    """
+    models = [unwrap_model(m) for m in models]
+    cfg = hf_config or read_hf_config(hf_dir)
+    table = mapping_for(cfg)
+    tp_rank, tp, pp_rank, pp = _parallel_ranks()
+    vpp = _vpp(models)
+    shape = ModelShape.from_hf(cfg, tp)
+    written = 0
+    with HFWeightReader(hf_dir) as reader:
+        for chunk, model in enumerate(models):
+            params = dict(model.named_parameters())
+            covered = set()
+            for row, layer, name in _chunk_items(model, chunk, table, cfg.num_layers, pp_rank, pp, vpp):
+                if name not in params:
+                    raise KeyError(f"model chunk {chunk} has no parameter {name!r} (mapping row {row.megatron})")
+                hf_names = row.hf_names(layer)
+                missing = [n for n in hf_names if n not in reader]
+                if missing:
+                    raise KeyError(f"checkpoint {hf_dir} lacks {missing} (needed for {name})")
+                shard = row.to_megatron_shard([reader.get(n) for n in hf_names], tp_rank, tp, shape)
+                param = params[name]
+                if tuple(shard.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: shard from {hf_names} has shape {tuple(shard.shape)}, parameter has {tuple(param.shape)}")
+                param.data.copy_(shard)
+                covered.add(name)
+                written += 1
+            unmapped = sorted(set(params) - covered)
+            if unmapped:
+                raise ValueError(f"model chunk {chunk} parameters with no HF source: {unmapped}")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def _owner(row: Map, layer: Optional[int], num_layers: int, pp: int, vpp) -> tuple[int, int, Optional[int]]:
+    """(pipeline rank, chunk, local layer) that holds a row."""
+    if layer is not None:
+        return layer_location(layer, num_layers, pp, vpp)
+    if row.megatron.startswith("embedding."):
+        return 0, 0, None
+    return pp - 1, (vpp or 1) - 1, None
+
+
+def _gather_tp(param: torch.Tensor, row: Map, tp: int, group) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if row.tp_dim is None or tp == 1:
+        return [param.detach()]
+    shards = [torch.empty_like(param) for _ in range(tp)]
+    dist.all_gather(shards, param.detach().contiguous(), group=group)
+    return shards
+
+
+def _hf_meta(row: Map, param: torch.Tensor, shape: ModelShape, tp: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes/dtypes of the HF tensors of a row, from the local shard shape alone (meta tensors)."""
+    count = tp if row.tp_dim is not None else 1
+    fake = [torch.empty(param.shape, dtype=param.dtype, device="meta") for _ in range(count)]
+    return [(tuple(t.shape), t.dtype) for t in row.to_hf(fake, shape)]
+
+
+@torch.no_grad()
+def export_megatron_to_hf(
+    models: Sequence[torch.nn.Module], hf_config: HFModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model on every rank, in HF order (see module doc)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    models = [unwrap_model(m) for m in models]
+    cfg = hf_config
+    table = mapping_for(cfg)
+    tp_rank, tp, pp_rank, pp = _parallel_ranks()
+    vpp = _vpp(models)
+    shape = ModelShape.from_hf(cfg, tp)
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else None
+    specs = [layer_spec_of(m) for m in models]
+    params = [dict(m.named_parameters()) for m in models]
+    items = list(table.ordered(cfg.num_layers))
+
+    def local_param(index: int) -> torch.Tensor:
+        row, layer = items[index]
+        _, chunk, local = _owner(row, layer, cfg.num_layers, pp, vpp)
+        return params[chunk][row.megatron_name(specs[chunk], local)]
+
+    meta: dict[int, list] = {}
+    if pp > 1:
+        # Each stage describes the tensors it owns; one exchange tells every stage what to receive.
+        mine = {
+            i: _hf_meta(items[i][0], local_param(i), shape, tp)
+            for i in range(len(items))
+            if _owner(*items[i], cfg.num_layers, pp, vpp)[0] == pp_rank
+        }
+        gathered: list = [None] * pp
+        dist.all_gather_object(gathered, mine, group=pp_group)
+        for part in gathered:
+            meta.update(part)
+
+    for index, (row, layer) in enumerate(items):
+        owner_stage = _owner(row, layer, cfg.num_layers, pp, vpp)[0]
+        names = row.hf_names(layer)
+        if owner_stage == pp_rank:
+            param = local_param(index)
+            tensors = row.to_hf(_gather_tp(param, row, tp, tp_group), shape)
+            device = param.device
+        else:
+            device = next(iter(params[0].values())).device
+            tensors = tuple(torch.empty(s, dtype=d, device=device) for s, d in meta[index])
+        if pp > 1:
+            tensors = tuple(t.contiguous() for t in tensors)
+            for t in tensors:
+                dist.broadcast(t, src=pp_ranks[owner_stage], group=pp_group)
+        for name, tensor in zip(names, tensors):
+            yield name, tensor

@@ -1,0 +1,780 @@
+"""Score a whole batch of responses: decode, rule scoring in worker processes, the overlong penalty
+added once, and the reward placed on each response's last valid token.
+
+Where the time goes (see docs/PERF.md): for the DAPO math reward, decoding the token ids costs
+about five times as much as scoring the text, so a pool that only scores cannot speed a step up.
+With worker processes, each chunk therefore travels as token ids (a flat integer array plus
+offsets: cheap to send) and the worker decodes it with its own copy of the tokenizer (one batched
+``batch_decode`` call per chunk) before scoring; decoded text comes back for logging. When the
+tokenizer cannot be pickled, or with ``num_workers=0``, the parent decodes the whole batch in one
+batched call instead.
+
+The pool lives across steps (started on first use, closed by `RewardManager.close`, the context
+manager, garbage collection or interpreter exit). A reward function must never crash or stall
+the step:
+
+* one that raises gives that sample `min_reward` and a warning on the ``megatron_dapo.reward`` logger;
+* one that hangs is found by the parent, which reads each worker's "current sample started at"
+  slot in shared memory; once a sample has run for `timeout_s`, its worker is killed and replaced,
+  the sample gets `min_reward`, and the rest of its chunk is scored again on the live workers. No
+  signal is used inside the workers, so this also stops C-level hangs and leaves ``SIGALRM`` to
+  reward functions that use it themselves;
+* a worker that dies (segfault, ``os._exit``) is treated the same way.
+
+Workers are started with 'forkserver' where available (never plain 'fork', which is unsafe once
+torch has started threads), else 'spawn'. Functions travel to them by reference; functions loaded
+from a file (`loader.load_reward_function`) travel as file path + name and are loaded again in
+each worker on first use.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.sharedctypes
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from megatron_dapo.reward.loader import RewardFunctionRef, load_reward_function, reward_function_ref
+from megatron_dapo.reward.overlong import overlong_penalty, validate_overlong_settings
+
+__all__ = ["RewardManager", "RewardResult", "reward_metrics", "token_level_rewards"]
+
+logger = logging.getLogger("megatron_dapo.reward")
+
+ScoreFunction = Callable[..., Union[float, dict]]
+
+# Keyword arguments a reward function may opt into by naming them (or by taking **kwargs).
+_OPTIONAL_KEYWORDS = ("validating", "data_source", "extra_info")
+# Per call, at most this many failures are logged one by one; the rest are summed up in one line.
+_MAX_FAILURE_LOGS = 10
+# A worker's sample-start slot holds this while no sample is being scored.
+_IDLE = 0.0
+# Time a worker may take to start, load the tokenizer and function and decode a chunk before its
+# first sample starts; beyond it the worker counts as broken.
+_STARTUP_GRACE_S = 120.0
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardResult:
+    """Rewards of one batch; every tensor is ``[B]`` on CPU."""
+
+    scores: torch.Tensor
+    """float32: the reward used for advantages, raw score (or `min_reward`) + overlong penalty."""
+    raw_scores: torch.Tensor
+    """float32: the reward function's score before the penalty (`min_reward` where it failed)."""
+    acc: torch.Tensor
+    """bool: the reward function's correctness, never shaped (False where it failed)."""
+    preds: list[Any]
+    """The reward function's extracted prediction per sample (None where it gave none)."""
+    overlong_penalty: torch.Tensor
+    """float32: the penalty included in `scores` (zeros when not applied)."""
+    failed: torch.Tensor
+    """bool: the reward function raised, returned something unusable or timed out."""
+    responses: list[str]
+    """Decoded responses (special tokens skipped)."""
+
+    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """Shorthand for `reward_metrics(self, prefix)`."""
+        return reward_metrics(self, prefix)
+
+
+def reward_metrics(result: RewardResult, prefix: str = "reward/") -> dict[str, float]:
+    """Batch summaries for logging: mean reward, mean accuracy, failures, the overlong penalty."""
+    if len(result.responses) == 0:
+        return {}
+    return {
+        f"{prefix}score_mean": float(result.scores.double().mean()),
+        f"{prefix}raw_score_mean": float(result.raw_scores.double().mean()),
+        f"{prefix}acc_mean": float(result.acc.double().mean()),
+        f"{prefix}failed_fraction": float(result.failed.double().mean()),
+        f"{prefix}overlong_penalty_mean": float(result.overlong_penalty.double().mean()),
+        f"{prefix}overlong_num_penalised": float((result.overlong_penalty < 0).sum()),
+    }
+
+
+def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` tensor holding each sequence's score on its last valid token and zeros elsewhere.
+
+    "Last valid" is the last position where `response_mask` is non-zero, so right padding, left
+    padding and holes are all handled. Rows with no valid token stay all zero.
+    """
+    if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"scores must be [B] and response_mask [B, T], got {tuple(scores.shape)} and {tuple(response_mask.shape)}"
+        )
+    batch, length = response_mask.shape
+    out = torch.zeros(batch, length, dtype=scores.dtype, device=response_mask.device)
+    if length == 0 or batch == 0:
+        return out
+    valid = response_mask != 0
+    # argmax returns the first maximum, so on the flipped mask it finds the last valid position.
+    last = length - 1 - valid.flip(1).to(torch.int8).argmax(dim=1)
+    rows = valid.any(dim=1).nonzero(as_tuple=True)[0]
+    out[rows, last[rows]] = scores.to(out.device)[rows]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Token ids of a batch
+# --------------------------------------------------------------------------------------------
+
+
+class _TokenBatch:
+    """Valid token ids of every response: one flat int64 array plus offsets (cheap to slice and send)."""
+
+    def __init__(
+        self,
+        response_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
+        response_lengths: Union[torch.Tensor, Sequence[int], None],
+    ) -> None:
+        self._rows: Optional[list[list[int]]] = None
+        if isinstance(response_ids, torch.Tensor):
+            if response_ids.dim() != 2 or response_ids.dtype.is_floating_point or response_ids.dtype == torch.bool:
+                raise ValueError(
+                    f"response_ids must be a [B, T] integer tensor, got {response_ids.dtype} {tuple(response_ids.shape)}"
+                )
+            if response_lengths is None:
+                raise ValueError("response_lengths is required with a padded response_ids tensor")
+            lengths = self._check_lengths(response_lengths, [response_ids.shape[1]] * response_ids.shape[0])
+            width = response_ids.shape[1]
+            mask = torch.arange(width) < torch.tensor(lengths, dtype=torch.int64).reshape(-1, 1)
+            self.flat = response_ids.detach().cpu()[mask].to(torch.int64).numpy()
+        else:
+            rows = [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in response_ids]
+            if response_lengths is None:
+                lengths = [len(r) for r in rows]
+            else:
+                lengths = self._check_lengths(response_lengths, [len(r) for r in rows])
+                rows = [row if n == len(row) else row[:n] for row, n in zip(rows, lengths)]
+            self._rows = rows
+            self.flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=sum(lengths))
+        self.lengths = lengths
+        self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self.offsets[1:])
+
+    @staticmethod
+    def _check_lengths(response_lengths: Union[torch.Tensor, Sequence[int]], limits: list[int]) -> list[int]:
+        values = response_lengths.tolist() if isinstance(response_lengths, torch.Tensor) else response_lengths
+        lengths = [int(n) for n in values]
+        if len(lengths) != len(limits):
+            raise ValueError(f"response_lengths has {len(lengths)} entries for {len(limits)} responses")
+        for index, (length, limit) in enumerate(zip(lengths, limits)):
+            if not 0 <= length <= limit:
+                raise ValueError(f"response_lengths[{index}]={length} is outside [0, {limit}]")
+        return lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def rows(self, indices: Optional[Sequence[int]] = None) -> list[list[int]]:
+        """Python lists of token ids (all responses, or those at `indices`)."""
+        if self._rows is None:
+            ids = self.flat.tolist()
+            self._rows = [ids[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self))]
+        return self._rows if indices is None else [self._rows[i] for i in indices]
+
+    def take(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(flat ids, offsets) of the responses at `indices`; a view when they are contiguous."""
+        first, last = indices[0], indices[-1]
+        if last - first + 1 == len(indices):
+            return self.flat[self.offsets[first] : self.offsets[last + 1]], self.offsets[first : last + 2] - self.offsets[first]
+        parts = [self.flat[self.offsets[i] : self.offsets[i + 1]] for i in indices]
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        return np.concatenate(parts), offsets
+
+
+# --------------------------------------------------------------------------------------------
+# Calling the reward function (shared by the in-process path and the workers)
+# --------------------------------------------------------------------------------------------
+
+
+def _accepted_keywords(function: Callable[..., Any]) -> frozenset[str]:
+    """Which of `_OPTIONAL_KEYWORDS` the function takes, by name or through **kwargs."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset(_OPTIONAL_KEYWORDS)
+    names = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return frozenset(k for k in _OPTIONAL_KEYWORDS if k in names)
+
+
+def _interpret(output: Any) -> tuple[float, bool, Any]:
+    """(score, acc, pred) from a float-like or ``{"score", "acc"?, "pred"?}`` return value."""
+    if isinstance(output, dict):
+        if "score" not in output:
+            raise ValueError(f"reward function returned a dict without 'score' (keys: {sorted(map(str, output))})")
+        score = float(output["score"])
+        acc = bool(output["acc"]) if "acc" in output else score > 0
+        pred = output.get("pred")
+    else:
+        score = float(output)
+        acc, pred = score > 0, None
+    if not math.isfinite(score):
+        raise ValueError(f"reward function returned a non-finite score {score}")
+    if pred is not None and not isinstance(pred, (str, int, float, bool)):
+        pred = str(pred)  # keeps results small and always picklable
+    return score, acc, pred
+
+
+# One result per sample: (score, acc, pred, error message or None).
+_SampleResult = tuple[float, bool, Any, Optional[str]]
+
+
+@dataclass
+class _Chunk:
+    """Work for one message: texts, or token ids for the worker to decode, plus the labels."""
+
+    ground_truths: list[str]
+    extras: Optional[list[Optional[dict[str, Any]]]]
+    texts: Optional[list[str]] = None
+    flat_ids: Optional[np.ndarray] = None
+    offsets: Optional[np.ndarray] = None
+
+
+def _score_texts(
+    function: Callable[..., Any],
+    texts: Sequence[str],
+    ground_truths: Sequence[str],
+    extras: Optional[Sequence[Optional[dict[str, Any]]]],
+    common_kwargs: dict[str, Any],
+    progress: Optional[Any] = None,
+) -> list[_SampleResult]:
+    """Score in order; exceptions become error results. `progress` is a worker's shared slot."""
+    results: list[_SampleResult] = []
+    for position, (text, ground_truth) in enumerate(zip(texts, ground_truths)):
+        if progress is not None:
+            progress[1] = position
+            progress[0] = time.monotonic()
+        try:
+            extra = extras[position] if extras is not None else None
+            kwargs = common_kwargs if extra is None else {**common_kwargs, **extra}
+            score, acc, pred = _interpret(function(text, ground_truth, **kwargs))
+            results.append((score, acc, pred, None))
+        except Exception as error:  # any failure of user code is a failed sample, never a failed step
+            results.append((math.nan, False, None, f"{type(error).__name__}: {error}"))
+    if progress is not None:
+        progress[0] = _IDLE
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _WorkerSetup:
+    """What a worker needs: a reference to load (or the function itself) and, optionally, the tokenizer."""
+
+    ref: Optional[RewardFunctionRef]
+    function: Optional[Callable[..., Any]]
+    tokenizer_pickle: Optional[bytes]
+
+    def load_function(self) -> Callable[..., Any]:
+        return self.ref.load() if self.ref is not None else self.function  # type: ignore[return-value]
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # A worker stuck in a hung reward function never reads its pipe again; if the trainer dies
+    # (even by SIGKILL) it must not be left spinning. A thread still runs during pure-Python hangs.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _worker_main(conn: Any, progress: Any, setup: _WorkerSetup) -> None:
+    """Worker loop: receive (chunk id, common kwargs, _Chunk), send back (chunk id, results, texts)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    function: Optional[Callable[..., Any]] = None
+    tokenizer: Any = None
+    load_error: Optional[str] = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        chunk_id, common_kwargs, chunk = message
+        count = len(chunk.ground_truths)
+        texts, error = chunk.texts, None
+        if function is None and load_error is None:
+            try:
+                function = setup.load_function()
+            except Exception as exc:
+                load_error = f"loading the reward function in a worker failed: {type(exc).__name__}: {exc}"
+        if texts is None:
+            try:
+                if tokenizer is None:
+                    tokenizer = pickle.loads(setup.tokenizer_pickle)  # type: ignore[arg-type]
+                ids = chunk.flat_ids.tolist()
+                rows = [ids[chunk.offsets[i] : chunk.offsets[i + 1]] for i in range(count)]
+                texts = list(tokenizer.batch_decode(rows, skip_special_tokens=True)) if count else []
+                if len(texts) != count:
+                    raise RuntimeError(f"batch_decode returned {len(texts)} strings for {count} sequences")
+            except Exception as exc:
+                # The parent decodes these itself, so a real tokenizer error surfaces there.
+                texts, error = None, f"decoding in a worker failed: {type(exc).__name__}: {exc}"
+        error = error or load_error
+        if error is not None:
+            results: list[_SampleResult] = [(math.nan, False, None, error)] * count
+        else:
+            results = _score_texts(function, texts, chunk.ground_truths, chunk.extras, common_kwargs, progress)  # type: ignore[arg-type]
+        conn.send((chunk_id, results, texts if chunk.texts is None else None))
+
+
+class _Worker:
+    def __init__(self, context: Any, setup: _WorkerSetup) -> None:
+        self.conn, child_conn = context.Pipe(duplex=True)
+        # [0]: monotonic start time of the sample being scored (0 = idle); [1]: its position in the chunk.
+        self.progress = multiprocessing.sharedctypes.RawArray("d", 2)
+        self.process = context.Process(
+            target=_worker_main, args=(child_conn, self.progress, setup), name="megatron-dapo-reward", daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        self.indices: Optional[list[int]] = None  # samples of the chunk in flight
+        self.chunk_id = -1
+        self.dispatched_at = 0.0
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    """Ask every worker to exit, give them a moment together, then kill what is left."""
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0
+    for worker in workers:
+        worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        worker.kill()
+    workers.clear()
+
+
+class _WorkerPool:
+    """Persistent worker processes with per-sample deadlines enforced from the parent."""
+
+    def __init__(self, num_workers: int, setup: _WorkerSetup, timeout_s: float, start_method: str) -> None:
+        self.num_workers = num_workers
+        self.setup = setup
+        self.timeout_s = timeout_s
+        self.context = multiprocessing.get_context(start_method)
+        self.workers: list[_Worker] = []
+        self._next_chunk_id = 0
+
+    def reset(self) -> None:
+        """Kill every worker (after an interruption left the pipes in an unknown state)."""
+        for worker in self.workers:
+            worker.kill()
+        self.workers.clear()
+
+    def run(
+        self, count: int, build: Callable[[list[int]], _Chunk], common_kwargs: dict[str, Any], chunk_size: int
+    ) -> tuple[list[Optional[_SampleResult]], list[Optional[str]], dict[int, str]]:
+        """Score `count` samples whose chunks `build(indices)` makes.
+
+        Returns per-sample results (None where lost), texts decoded by workers (None where the
+        parent sent text or the sample was lost) and {index: reason} for timed-out / crashed samples.
+        """
+        try:
+            return self._run(count, build, common_kwargs, chunk_size)
+        except BaseException:
+            self.reset()
+            raise
+
+    def _run(
+        self, count: int, build: Callable[[list[int]], _Chunk], common_kwargs: dict[str, Any], chunk_size: int
+    ) -> tuple[list[Optional[_SampleResult]], list[Optional[str]], dict[int, str]]:
+        results: list[Optional[_SampleResult]] = [None] * count
+        texts: list[Optional[str]] = [None] * count
+        lost: dict[int, str] = {}
+        pending: deque[list[int]] = deque(
+            list(range(start, min(start + chunk_size, count))) for start in range(0, count, chunk_size)
+        )
+        start_failures = 0
+        while pending or any(w.indices is not None for w in self.workers):
+            while len(self.workers) < self.num_workers:
+                self.workers.append(_Worker(self.context, self.setup))
+            for worker in self.workers:
+                if worker.indices is None and pending:
+                    indices = pending.popleft()
+                    worker.chunk_id, self._next_chunk_id = self._next_chunk_id, self._next_chunk_id + 1
+                    worker.progress[0], worker.progress[1] = _IDLE, -1.0
+                    worker.conn.send((worker.chunk_id, common_kwargs, build(indices)))
+                    worker.indices, worker.dispatched_at = indices, time.monotonic()
+
+            busy = [w for w in self.workers if w.indices is not None]
+            now = time.monotonic()
+            deadlines = [w.progress[0] + self.timeout_s for w in busy if w.progress[0] != _IDLE]
+            wait_s = min([self.timeout_s, *(d - now for d in deadlines)])
+            ready = multiprocessing.connection.wait([w.conn for w in busy], timeout=max(0.0, wait_s) + 0.01)
+
+            for worker in busy:
+                if worker.conn in ready:
+                    try:
+                        chunk_id, chunk_results, chunk_texts = worker.conn.recv()
+                    except (EOFError, OSError):
+                        start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
+                        continue
+                    assert chunk_id == worker.chunk_id, "reward worker answered out of turn"
+                    for position, index in enumerate(worker.indices):  # type: ignore[arg-type]
+                        results[index] = chunk_results[position]
+                        if chunk_texts is not None:
+                            texts[index] = chunk_texts[position]
+                    worker.indices = None
+                    start_failures = 0
+                    continue
+                sample_start, now = worker.progress[0], time.monotonic()
+                if sample_start != _IDLE and now - sample_start > self.timeout_s:
+                    reason = f"timed out after {self.timeout_s:g} s (worker killed and replaced)"
+                    start_failures = self._recover(worker, pending, lost, reason, start_failures)
+                elif not worker.process.is_alive():
+                    start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
+                elif worker.progress[1] < 0 and now - worker.dispatched_at > self.timeout_s + _STARTUP_GRACE_S:
+                    reason = "the worker never started scoring (start-up, loading or decoding hangs)"
+                    start_failures = self._recover(worker, pending, lost, reason, start_failures)
+        return results, texts, lost
+
+    def _recover(
+        self, worker: _Worker, pending: deque[list[int]], lost: dict[int, str], reason: str, start_failures: int
+    ) -> int:
+        """Kill `worker`, fail the sample it was on, requeue the rest of its chunk."""
+        indices = worker.indices
+        assert indices is not None
+        worker.kill()  # from here on its progress slot no longer changes
+        self.workers.remove(worker)
+        position = int(worker.progress[1])
+        if 0 <= position < len(indices):
+            lost[indices[position]] = reason
+            rest = indices[:position] + indices[position + 1 :]
+            start_failures = 0
+        else:
+            # Died before its first sample: no sample to blame. Retry, but not forever.
+            rest = indices
+            start_failures += 1
+            if start_failures >= 3:
+                raise RuntimeError(
+                    f"reward worker processes fail before scoring anything ({reason}; exit code "
+                    f"{worker.process.exitcode}); check that the reward function and tokenizer load in a fresh process"
+                )
+        if rest:
+            pending.appendleft(rest)
+        return start_failures
+
+
+# --------------------------------------------------------------------------------------------
+# The manager
+# --------------------------------------------------------------------------------------------
+
+
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+class RewardManager:
+    """Decode, score and shape the rewards of a batch of responses.
+
+    Args:
+        tokenizer: anything with ``batch_decode(list_of_id_lists, skip_special_tokens=True)``.
+        score_fn: ``(response, ground_truth, **extra) -> float | dict`` (dict: ``"score"`` and
+            optional ``"acc"``/``"pred"``; without ``"acc"``, acc = score > 0); or a
+            `loader.load_reward_function` spec string; None = `math_dapo.compute_score`. A
+            function that names ``validating``, ``data_source`` or ``extra_info`` (or takes
+            ``**kwargs``) receives them; the signature is inspected once, here.
+        num_workers: scoring processes; 0 scores serially in this process (then a hanging reward
+            function cannot be interrupted: use workers for untrusted functions).
+        timeout_s: per-sample limit enforced on the workers (see the module docstring).
+        overlong_enable, overlong_buffer_length, overlong_penalty_factor, max_response_length:
+            the soft overlong punishment (`overlong.overlong_penalty`).
+        min_reward: score of a sample whose reward function raised, returned garbage or timed out.
+        chunk_size: samples per message to a worker; None picks one (`_chunk_size`).
+        decode_in_workers: workers decode token ids themselves (None: when there are workers and
+            the tokenizer pickles); False: the parent decodes the batch in one batched call.
+        start_method: multiprocessing start method; None = 'forkserver' where available, else 'spawn'.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        score_fn: Union[ScoreFunction, str, None] = None,
+        *,
+        num_workers: int = 0,
+        timeout_s: float = 10.0,
+        overlong_enable: bool = False,
+        overlong_buffer_length: int = 0,
+        overlong_penalty_factor: float = 1.0,
+        max_response_length: Optional[int] = None,
+        min_reward: float = -1.0,
+        chunk_size: Optional[int] = None,
+        decode_in_workers: Optional[bool] = None,
+        start_method: Optional[str] = None,
+    ) -> None:
+        if num_workers < 0:
+            raise ValueError(f"'reward.num_workers' must be >= 0, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"'reward.timeout_s' must be > 0, got {timeout_s}")
+        if not math.isfinite(min_reward):
+            raise ValueError(f"'reward.min_reward' must be finite, got {min_reward}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if overlong_enable:
+            if max_response_length is None:
+                raise ValueError("the overlong penalty needs 'rollout.max_response_length'")
+            validate_overlong_settings(max_response_length, overlong_buffer_length, overlong_penalty_factor)
+
+        self.tokenizer = tokenizer
+        if score_fn is None or isinstance(score_fn, str):
+            score_fn = load_reward_function(score_fn)
+        if not callable(score_fn):
+            raise ValueError(f"score_fn must be callable or a 'module:function' string, got {type(score_fn).__name__}")
+        self.score_fn: ScoreFunction = score_fn
+        self._accepted = _accepted_keywords(score_fn)
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.overlong_enable = overlong_enable
+        self.overlong_buffer_length = overlong_buffer_length
+        self.overlong_penalty_factor = overlong_penalty_factor
+        self.max_response_length = max_response_length
+        self.min_reward = float(min_reward)
+        self.chunk_size = chunk_size
+        self.start_method = start_method or _default_start_method()
+
+        self._setup: Optional[_WorkerSetup] = None
+        if num_workers > 0:
+            self._setup = _WorkerSetup(*self._function_for_workers(score_fn), self._tokenizer_for_workers(decode_in_workers))
+        self.decode_in_workers = self._setup is not None and self._setup.tokenizer_pickle is not None
+        self._pool: Optional[_WorkerPool] = None
+        self._closer: Optional[weakref.finalize] = None
+
+    @staticmethod
+    def _function_for_workers(function: ScoreFunction) -> tuple[Optional[RewardFunctionRef], Optional[ScoreFunction]]:
+        ref = reward_function_ref(function)
+        if ref is not None:
+            return ref, None
+        try:
+            pickle.dumps(function)
+        except Exception as error:
+            raise ValueError(
+                f"reward function {function!r} cannot be sent to worker processes ({error}); define it at module "
+                "level, give it as 'module:function' or '/path/file.py:function', or use num_workers=0"
+            ) from error
+        return None, function
+
+    def _tokenizer_for_workers(self, decode_in_workers: Optional[bool]) -> Optional[bytes]:
+        if decode_in_workers is False:
+            return None
+        try:
+            return pickle.dumps(self.tokenizer)
+        except Exception as error:
+            if decode_in_workers:
+                raise ValueError(f"decode_in_workers=True but the tokenizer cannot be pickled: {error}") from error
+            logger.info("tokenizer cannot be pickled (%s); the parent process will decode", error)
+            return None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _ensure_pool(self) -> _WorkerPool:
+        if self._pool is None:
+            assert self._setup is not None
+            if self.start_method == "forkserver":
+                # Workers fork from one server process that imported these modules once, instead of
+                # each paying the imports. Has no effect if the forkserver already runs.
+                preload = ["__main__", __name__]
+                if self.decode_in_workers:
+                    preload.append(type(self.tokenizer).__module__)
+                multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+            self._pool = _WorkerPool(self.num_workers, self._setup, self.timeout_s, self.start_method)
+            # Closed at garbage collection or interpreter exit, whichever comes first.
+            self._closer = weakref.finalize(self, _shutdown, self._pool.workers)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes (a later `score` starts new ones)."""
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+        self._pool = None
+
+    def __enter__(self) -> "RewardManager":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score(
+        self,
+        response_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
+        ground_truths: Sequence[str],
+        response_lengths: Union[torch.Tensor, Sequence[int], None] = None,
+        data_sources: Optional[Sequence[Any]] = None,
+        extra_infos: Optional[Sequence[Any]] = None,
+        validating: bool = False,
+        apply_overlong: bool = True,
+    ) -> RewardResult:
+        """Score a batch.
+
+        Args:
+            response_ids: a right-padded ``[B, T]`` integer tensor (then `response_lengths` is
+                required) or B sequences of token ids (each cut to its length when lengths are given).
+            ground_truths: B ground-truth strings.
+            response_lengths: B valid token counts; these also drive the overlong penalty.
+            data_sources, extra_infos: optional per-sample values for functions that accept them
+                (as ``data_source=`` / ``extra_info=``).
+            validating: passed as ``validating=`` to functions that accept it.
+            apply_overlong: add the overlong penalty (if enabled); set it from
+                ``algorithm.overlong_buffer.apply_in_validation`` for validation batches.
+        """
+        tokens = _TokenBatch(response_ids, response_lengths)
+        count = len(tokens)
+        for label, values in (("ground_truths", ground_truths), ("data_sources", data_sources), ("extra_infos", extra_infos)):
+            if values is not None and len(values) != count:
+                raise ValueError(f"{label} has {len(values)} entries for {count} responses")
+        ground_truths = list(ground_truths)
+        common: dict[str, Any] = {"validating": validating} if "validating" in self._accepted else {}
+        extras = self._per_sample_kwargs(count, data_sources, extra_infos)
+
+        lost: dict[int, str] = {}
+        if count == 0:
+            responses: list[str] = []
+            results: list[Optional[_SampleResult]] = []
+        elif self.num_workers == 0:
+            responses = self._decode(tokens.rows())
+            results = list(_score_texts(self.score_fn, responses, ground_truths, extras, common))
+        elif self.decode_in_workers:
+
+            def build(indices: list[int]) -> _Chunk:
+                flat, offsets = tokens.take(indices)
+                return _Chunk([ground_truths[i] for i in indices], _pick(extras, indices), flat_ids=flat, offsets=offsets)
+
+            results, texts, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
+            missing = [i for i, text in enumerate(texts) if text is None]
+            if missing:  # timed-out or crashed samples (and chunks the workers could not decode)
+                for index, text in zip(missing, self._decode(tokens.rows(missing))):
+                    texts[index] = text
+            responses = texts  # type: ignore[assignment]
+        else:
+            responses = self._decode(tokens.rows())
+
+            def build(indices: list[int]) -> _Chunk:
+                return _Chunk([ground_truths[i] for i in indices], _pick(extras, indices), texts=[responses[i] for i in indices])
+
+            results, _, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
+
+        return self._assemble(results, lost, responses, tokens.lengths, apply_overlong)
+
+    def _decode(self, rows: list[list[int]]) -> list[str]:
+        """One batched decode call (special tokens skipped)."""
+        if not rows:
+            return []
+        texts = list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
+        if len(texts) != len(rows):
+            raise RuntimeError(f"tokenizer.batch_decode returned {len(texts)} strings for {len(rows)} sequences")
+        return texts
+
+    def _per_sample_kwargs(
+        self, count: int, data_sources: Optional[Sequence[Any]], extra_infos: Optional[Sequence[Any]]
+    ) -> Optional[list[Optional[dict[str, Any]]]]:
+        pass_source = data_sources is not None and "data_source" in self._accepted
+        pass_info = extra_infos is not None and "extra_info" in self._accepted
+        if not (pass_source or pass_info):
+            return None
+        extras: list[Optional[dict[str, Any]]] = []
+        for index in range(count):
+            extra: dict[str, Any] = {}
+            if pass_source:
+                extra["data_source"] = data_sources[index]  # type: ignore[index]
+            if pass_info:
+                extra["extra_info"] = extra_infos[index]  # type: ignore[index]
+            extras.append(extra)
+        return extras
+
+    def _assemble(
+        self,
+        results: list[Optional[_SampleResult]],
+        lost: dict[int, str],
+        responses: list[str],
+        lengths: list[int],
+        apply_overlong: bool,
+    ) -> RewardResult:
+        count = len(results)
+        raw = torch.empty(count, dtype=torch.float64)
+        acc = torch.zeros(count, dtype=torch.bool)
+        failed = torch.zeros(count, dtype=torch.bool)
+        preds: list[Any] = [None] * count
+        failures: list[tuple[int, str]] = []
+        for index, result in enumerate(results):
+            if result is None or result[3] is not None:
+                raw[index] = self.min_reward
+                failed[index] = True
+                failures.append((index, lost.get(index) or (result[3] if result is not None else "no result")))
+            else:
+                raw[index], acc[index], preds[index] = result[0], result[1], result[2]
+        for index, reason in failures[:_MAX_FAILURE_LOGS]:
+            logger.warning("reward function failed on sample %d: %s; it gets min_reward=%g", index, reason, self.min_reward)
+        if len(failures) > _MAX_FAILURE_LOGS:
+            logger.warning("reward function failed on %d of %d samples in this batch", len(failures), count)
+
+        if self.overlong_enable and apply_overlong and count:
+            assert self.max_response_length is not None
+            penalty = overlong_penalty(
+                lengths, self.max_response_length, self.overlong_buffer_length, self.overlong_penalty_factor, dtype=torch.float64
+            )
+        else:
+            penalty = torch.zeros(count, dtype=torch.float64)
+        # Summed in float64 and rounded once, like verl's python-float reward written to a float32 tensor.
+        return RewardResult(
+            scores=(raw + penalty).to(torch.float32),
+            raw_scores=raw.to(torch.float32),
+            acc=acc,
+            preds=preds,
+            overlong_penalty=penalty.to(torch.float32),
+            failed=failed,
+            responses=responses,
+        )
+
+    def _chunk_size(self, count: int) -> int:
+        """Explicit `chunk_size`, else about 4 chunks per worker (load balance, little work lost on a
+        hang), at most 256 samples per message (keeps the pipe busy in both directions)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return max(1, min(256, math.ceil(count / (4 * self.num_workers))))
+
+
+def _pick(values: Optional[list[Any]], indices: list[int]) -> Optional[list[Any]]:
+    return None if values is None else [values[i] for i in indices]

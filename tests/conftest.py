@@ -1,0 +1,34 @@
+"""Shared pytest fixtures.
+
+`tests/` is put on sys.path so that test helpers (`tiny_models`, `torchrun_utils`) import the same
+way from tests, from multi-process workers and from scripts, whatever pytest's import mode.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+for _path in (str(TESTS_DIR), str(REPO_ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Every tiny HF test model (see tests/tiny_models.py), saved once per session.
+
+    Keys are the architecture names of `tiny_models.ARCHS`. Qwen3 is saved as a sharded checkpoint
+    (model.safetensors.index.json + shards) so that both checkpoint layouts are exercised.
+    """
+    from tiny_models import ARCHS, save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_hf_models")
+    return {
+        arch: save_tiny_model(arch, root / arch, seed=index, max_shard_size="100KB" if arch == "qwen3" else None)
+        for index, arch in enumerate(ARCHS)
+    }

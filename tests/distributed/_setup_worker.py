@@ -1,0 +1,42 @@
+"""Subprocess body for test_init_distributed.py: one task of an emulated `srun --ntasks 2`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def init_from_slurm() -> dict:
+    import torch.distributed as dist
+
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+
+    ctx = init_distributed(ParallelLayout(tp=2), timeout_s=120, seed=7)
+    from megatron.core import parallel_state as ps
+
+    value = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())
+    out = {
+        "source": ctx.launch.source,
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "master_addr": ctx.launch.master_addr,
+        "backend": ctx.backend,
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "tp_sum": value.item(),
+        "describe": ctx.layout.describe(num_layers=4),
+    }
+    # Re-initialise Megatron's groups with another layout over the same processes.
+    teardown(keep_process_group=True)
+    out["after_keep"] = {"dist": dist.is_initialized(), "megatron": ps.model_parallel_is_initialized()}
+    ctx = init_distributed(ParallelLayout(pp=2), timeout_s=120, seed=7)
+    out["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+    out["seeded"] = torch.initial_seed()
+    try:
+        init_distributed(ParallelLayout(pp=2))
+        out["double_init"] = "no error"
+    except RuntimeError as exc:
+        out["double_init"] = str(exc)
+    teardown()
+    out["after_teardown"] = {"dist": dist.is_initialized(), "megatron": ps.model_parallel_is_initialized()}
+    teardown()  # a second call is harmless
+    return out

@@ -1,0 +1,44 @@
+"""init_distributed from a SLURM-style launch (two plain processes with SLURM_* variables, no
+torchrun), Megatron groups, re-initialisation and teardown. The torchrun and single-process launch
+paths are exercised by tests/model/test_megatron_vs_hf.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchrun_utils import run_slurm_function
+
+WORKER = Path(__file__).parent / "_setup_worker.py"
+
+
+@pytest.fixture(scope="module")
+def slurm_results():
+    result = run_slurm_function(WORKER, "init_from_slurm", ntasks=2, nodelist="localhost,otherhost", timeout=180).check()
+    assert all(r is not None for r in result.rank_results), result.tail()
+    return result.rank_results
+
+
+def test_ranks_come_from_slurm_variables(slurm_results):
+    assert [r["rank"] for r in slurm_results] == [0, 1]
+    for r in slurm_results:
+        assert r["source"] == "slurm" and r["world_size"] == 2
+        assert r["master_addr"] == "localhost"  # the first host of SLURM_JOB_NODELIST
+        assert r["backend"] == "gloo"
+
+
+def test_tensor_parallel_group_works(slurm_results):
+    assert [r["tp_rank"] for r in slurm_results] == [0, 1]
+    assert [r["tp_sum"] for r in slurm_results] == [3.0, 3.0]
+    assert "TP groups: [0, 1]" in slurm_results[0]["describe"]
+
+
+def test_reinitialise_and_teardown(slurm_results):
+    for r in slurm_results:
+        assert r["after_keep"] == {"dist": True, "megatron": False}
+        assert "call teardown() first" in r["double_init"]
+        assert r["after_teardown"] == {"dist": False, "megatron": False}
+    assert [r["pp_rank"] for r in slurm_results] == [0, 1]
+    # Megatron's seeding convention: seed + 100 * pipeline rank.
+    assert [r["seeded"] for r in slurm_results] == [7, 107]

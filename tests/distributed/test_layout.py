@@ -1,0 +1,99 @@
+"""ParallelLayout: validation messages, derived data-parallel size, rank groups, layer placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dapo.distributed.layout import ParallelLayout, divisors
+
+
+def test_divisors():
+    assert divisors(16) == [1, 2, 4, 8, 16]
+    assert divisors(7) == [1, 7]
+
+
+def test_tp_must_divide_heads_message_names_key_and_fix():
+    with pytest.raises(ValueError) as err:
+        ParallelLayout(tp=3).validate(num_attention_heads=16)
+    assert str(err.value) == (
+        "parallel.tp=3 does not divide model num_attention_heads=16: use parallel.tp in {1, 2, 4, 8, 16}"
+    )
+
+
+def test_tp_must_divide_query_groups():
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide model num_key_value_heads=2 .*\{1, 2\}"):
+        ParallelLayout(tp=4).validate(num_attention_heads=16, num_query_groups=2)
+
+
+def test_world_must_be_multiple_of_model_parallel_size():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by .* = 4: launch a multiple of 4"):
+        ParallelLayout(tp=2, pp=2).validate(world_size=6)
+    ParallelLayout(tp=2, pp=2).validate(world_size=8)
+
+
+def test_layers_must_split_over_pp_and_vpp():
+    with pytest.raises(ValueError, match=r"parallel.pp=3 does not divide model num_hidden_layers=28: use parallel.pp in"):
+        ParallelLayout(pp=3).validate(num_layers=28)
+    with pytest.raises(ValueError, match=r"parallel.pp x parallel.vpp = 2 x 3 = 6 does not divide model num_hidden_layers=28"):
+        ParallelLayout(pp=2, vpp=3).validate(num_layers=28)
+    ParallelLayout(pp=2, vpp=2).validate(num_layers=28)
+
+
+def test_vpp_needs_pp_and_sizes_positive():
+    with pytest.raises(ValueError, match="parallel.vpp=2 needs pipeline parallelism"):
+        ParallelLayout(vpp=2).validate()
+    with pytest.raises(ValueError, match=r"parallel.cp=0 must be a positive integer"):
+        ParallelLayout(cp=0).validate()
+
+
+def test_dp_is_derived_and_needs_world():
+    layout = ParallelLayout(tp=2, pp=2, cp=1)
+    with pytest.raises(ValueError, match="derived from the world size"):
+        _ = layout.dp
+    assert layout.resolve(16).dp == 4
+    with pytest.raises(ValueError):
+        layout.resolve(6)
+
+
+def test_megatron_vpp_drops_trivial_interleaving():
+    assert ParallelLayout(pp=2, vpp=1).megatron_vpp is None
+    assert ParallelLayout(pp=2, vpp=3).megatron_vpp == 3
+
+
+def test_groups_follow_megatron_default_order():
+    # tp fastest, then cp, dp, pp slowest ("tp-cp-ep-dp-pp").
+    layout = ParallelLayout(tp=2, pp=2).resolve(8)
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank in range(8):
+        assert layout.rank_of(**layout.coordinates(rank)) == rank
+    with_cp = ParallelLayout(tp=2, cp=2).resolve(8)
+    assert with_cp.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert with_cp.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_layers_of_stage_even_split_with_vpp():
+    layout = ParallelLayout(pp=2, vpp=2)
+    # 8 layers, 4 chunks of 2: stage 0 holds 0-1 and 4-5, stage 1 holds 2-3 and 6-7 (interleaved).
+    assert list(layout.layers_of_stage(8, 0, 0)) == [0, 1]
+    assert list(layout.layers_of_stage(8, 1, 0)) == [2, 3]
+    assert list(layout.layers_of_stage(8, 0, 1)) == [4, 5]
+    assert list(layout.layers_of_stage(8, 1, 1)) == [6, 7]
+
+
+def test_describe_lists_groups_and_stages():
+    text = ParallelLayout(tp=2, pp=2).resolve(8).describe(num_layers=8)
+    assert text.splitlines()[0] == "world=8 = tp 2 x cp 1 x dp 2 x pp 2"
+    assert "TP groups: [0, 1] [2, 3] [4, 5] [6, 7]" in text
+    assert "PP groups: [0, 4] [1, 5] [2, 6] [3, 7]" in text
+    assert "DP groups: [0, 2] [1, 3] [4, 6] [5, 7]" in text
+    assert "PP stage 1: layers 4-7" in text
+    assert "not resolved" in ParallelLayout(tp=2).describe()
+
+
+def test_from_config_reads_parallel_section():
+    from megatron_dapo.config import ParallelConfig
+
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=4, vpp=2, cp=1), world_size=16)
+    assert (layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp) == (2, 4, 2, 1, 2)

@@ -1,0 +1,281 @@
+"""Run Python code in several processes under torchrun (gloo on the CPU) from a pytest test.
+
+Two entry points, both returning a `TorchrunResult` (exit code, output, per-rank results):
+
+    result = run_torchrun_function(Path(__file__).parent / "_worker.py", "main", nproc=4,
+                                   kwargs={"model_dir": str(path)}, timeout=300)
+    result.check()                      # raises with the output tail if any rank failed
+    for rank_result in result.rank_results: ...
+
+    result = run_torchrun_script("path/to/script.py", nproc=2, args=["--flag"])
+
+    result = run_slurm_function(worker_file, "main", ntasks=2)   # emulates `srun --ntasks 2`
+
+`nproc=1` without torchrun (`use_torchrun=False`) runs the same code as a plain `python` process,
+which exercises the single-process launch path of `init_distributed`.
+
+Conventions:
+- The target function gets `**kwargs` (JSON-serialisable) and runs on every rank with the torchrun
+  environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) set; a free port is chosen.
+- Results come back through files: inside a worker call `write_rank_result(obj)` (JSON-serialisable)
+  and read them in the test from `result.rank_results` (a list indexed by rank; None where a rank
+  wrote nothing). If the function returns a value that is not None, it is written the same way.
+- The child processes get the repository root and `tests/` on PYTHONPATH, OMP_NUM_THREADS=1 (many
+  ranks share few cores) and a wall-clock `timeout` after which the whole process group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = [
+    "RESULT_DIR_ENV",
+    "TorchrunResult",
+    "free_port",
+    "read_rank_results",
+    "run_slurm_function",
+    "run_torchrun_function",
+    "run_torchrun_script",
+    "write_rank_result",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = REPO_ROOT / "tests"
+RESULT_DIR_ENV = "TORCHRUN_TEST_RESULT_DIR"
+
+
+def free_port() -> int:
+    """A local TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_rank_result(obj: Any) -> None:
+    """In a worker: store this rank's JSON-serialisable result for the test to read."""
+    directory = os.environ.get(RESULT_DIR_ENV)
+    if not directory:
+        raise RuntimeError(f"{RESULT_DIR_ENV} is not set: run this worker through torchrun_utils")
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0")
+    path = Path(directory) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+def read_rank_results(directory: Path, nproc: int) -> list[Any]:
+    """Per-rank results written with `write_rank_result` (None for a rank that wrote nothing)."""
+    results = []
+    for rank in range(nproc):
+        path = Path(directory) / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results
+
+
+@dataclass
+class TorchrunResult:
+    returncode: int
+    output: str
+    """stdout and stderr of all ranks, interleaved."""
+    seconds: float
+    rank_results: list[Any] = field(default_factory=list)
+    timed_out: bool = False
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.output[-chars:]
+
+    def check(self) -> "TorchrunResult":
+        """Raise AssertionError with the output tail unless every rank exited 0."""
+        if self.timed_out:
+            raise AssertionError(f"torchrun timed out after {self.seconds:.0f}s; output tail:\n{self.tail()}")
+        if self.returncode != 0:
+            raise AssertionError(f"torchrun exited with {self.returncode}; output tail:\n{self.tail()}")
+        return self
+
+
+def _child_env(result_dir: Path, extra: Optional[dict[str, str]]) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT), str(TESTS_DIR)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[RESULT_DIR_ENV] = str(result_dir)
+    # The parent may run under a torchrun itself; its variables must not leak into the children.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, result_dir: Path, nproc: int) -> TorchrunResult:
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        output, _ = proc.communicate()
+    return TorchrunResult(
+        returncode=proc.returncode,
+        output=output or "",
+        seconds=time.monotonic() - start,
+        rank_results=read_rank_results(result_dir, nproc),
+        timed_out=timed_out,
+    )
+
+
+def _launcher(nproc: int, use_torchrun: bool) -> list[str]:
+    if not use_torchrun:
+        if nproc != 1:
+            raise ValueError("use_torchrun=False runs exactly one process")
+        return [sys.executable]
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+    ]  # fmt: skip
+
+
+def run_torchrun_script(
+    script: os.PathLike | str,
+    nproc: int,
+    args: Sequence[str] = (),
+    timeout: float = 300.0,
+    env: Optional[dict[str, str]] = None,
+    use_torchrun: bool = True,
+) -> TorchrunResult:
+    """Run `script` with `args` on `nproc` ranks; returns when all exit or `timeout` passes."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        result_dir = Path(tmp)
+        cmd = [*_launcher(nproc, use_torchrun), str(script), *map(str, args)]
+        return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
+
+
+_BOOTSTRAP = """\
+import importlib.util, json, sys
+sys.path[:0] = {paths!r}
+spec = importlib.util.spec_from_file_location("torchrun_target", {module_file!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+with open({kwargs_file!r}) as f:
+    kwargs = json.load(f)
+result = getattr(module, {function!r})(**kwargs)
+if result is not None:
+    from torchrun_utils import write_rank_result
+    write_rank_result(result)
+"""
+
+
+def run_torchrun_function(
+    module_file: os.PathLike | str,
+    function: str,
+    nproc: int,
+    kwargs: Optional[dict[str, Any]] = None,
+    timeout: float = 300.0,
+    env: Optional[dict[str, str]] = None,
+    use_torchrun: bool = True,
+) -> TorchrunResult:
+    """Call `function(**kwargs)` from the Python file `module_file` on `nproc` ranks."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        result_dir, entry = _write_entry(Path(tmp), module_file, function, kwargs)
+        cmd = [*_launcher(nproc, use_torchrun), str(entry)]
+        return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
+
+
+def _write_entry(tmp: Path, module_file, function: str, kwargs) -> tuple[Path, Path]:
+    result_dir = tmp / "results"
+    result_dir.mkdir()
+    kwargs_file = tmp / "kwargs.json"
+    kwargs_file.write_text(json.dumps(kwargs or {}))
+    entry = tmp / "entry.py"
+    entry.write_text(
+        textwrap.dedent(
+            _BOOTSTRAP.format(
+                paths=[str(REPO_ROOT), str(TESTS_DIR)],
+                module_file=str(Path(module_file).resolve()),
+                kwargs_file=str(kwargs_file),
+                function=function,
+            )
+        )
+    )
+    return result_dir, entry
+
+
+def run_slurm_function(
+    module_file: os.PathLike | str,
+    function: str,
+    ntasks: int,
+    kwargs: Optional[dict[str, Any]] = None,
+    timeout: float = 300.0,
+    env: Optional[dict[str, str]] = None,
+    nodelist: str = "localhost",
+    job_id: str = "4242",
+) -> TorchrunResult:
+    """Like `run_torchrun_function`, but as `srun --ntasks N` on one node would start it.
+
+    Starts `ntasks` plain Python processes with SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID /
+    SLURM_JOB_NODELIST / SLURM_JOB_ID set and no torchrun variables, so the code under test has to
+    find its rank and rendezvous from SLURM's variables. MASTER_PORT is set to a free port unless
+    `env` sets it (the port SLURM_JOB_ID derives could be taken on a shared machine).
+    """
+    with tempfile.TemporaryDirectory(prefix="slurm-") as tmp:
+        result_dir, entry = _write_entry(Path(tmp), module_file, function, kwargs)
+        base = _child_env(result_dir, None)
+        base.update({"SLURM_NTASKS": str(ntasks), "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": job_id})
+        base["MASTER_PORT"] = str(free_port())
+        base.update(env or {})
+        start = time.monotonic()
+        procs, logs = [], []
+        for task in range(ntasks):
+            task_env = dict(base, SLURM_PROCID=str(task), SLURM_LOCALID=str(task))
+            log = open(Path(tmp) / f"task{task}.log", "w+")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(entry)], env=task_env, stdout=log,
+                    stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                )  # fmt: skip
+            )
+        # Poll: a task that fails makes the others wait in a collective, so stop them all at once.
+        timed_out = False
+        while any(p.poll() is None for p in procs):
+            failed = any(p.poll() not in (None, 0) for p in procs)
+            timed_out = time.monotonic() - start > timeout
+            if failed or timed_out:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.2)
+        outputs, codes = [], []
+        for task, (proc, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            outputs.append(f"----- task {task} -----\n{log.read()}")
+            log.close()
+            codes.append(proc.returncode)
+        return TorchrunResult(
+            returncode=next((c for c in codes if c != 0), 0),
+            output="\n".join(outputs),
+            seconds=time.monotonic() - start,
+            rank_results=read_rank_results(result_dir, ntasks),
+            timed_out=timed_out,
+        )
