@@ -189,7 +189,7 @@ def policy_loss(
     negative = adv < 0
     if clip_c is not None:
         pg_dual = -adv * clip_c
-        dual_active = (loss > pg_dual)
+        dual_active = negative & (loss > pg_dual)
         loss = torch.where(dual_active, pg_dual, loss)
     else:
         dual_active = torch.zeros_like(valid)
@@ -221,7 +221,7 @@ def count_tokens_and_seqs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     (fully masked, e.g. overlong-filtered or padding rows) are NOT counted as sequences.
     """
     valid = mask.bool()
-    return valid.sum(), valid.any(dim=-1).sum()
+    return valid.sum(), torch.tensor(valid.shape[0])
 
 
 def _as_denominator(count: Count, like: torch.Tensor) -> torch.Tensor:

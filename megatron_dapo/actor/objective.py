@@ -1,0 +1,198 @@
+"""The RL objective of one micro-batch, normalised by GLOBAL counts so that micro-batches add up exactly.
+
+    loss, sums = micro_batch_objective(log_probs, entropy, micro_batch, settings, counts)
+
+``counts`` holds the number of loss tokens and sequences of the whole mini-batch (every micro-batch
+on every data-parallel rank). Each micro-batch's loss is then its share of the global mean, so the
+sum over micro-batches and ranks - which is what Megatron's schedule and DDP compute when they are
+told not to rescale (see `actor.optim`) - is exactly the loss of the whole mini-batch, whatever
+the split. The same holds for the statistics: ``sums`` is a float64 vector of per-micro-batch sums
+(`STAT_NAMES`) that adds up across micro-batches and ranks and is turned into means once at the end
+(`summarise`).
+
+Objective, per token with mask ``m`` (``aggregate`` reduces with ``algorithm.loss_agg_mode``)::
+
+    pg    = policy_loss(logp, old_logp, A)              # clip-higher + dual-clip (algorithm/loss.py)
+    pg    = pg * min(exp(old_logp - rollout_logp), tis_cap)    # truncated IS, when enabled
+    loss  = agg(pg) - entropy_coeff * agg(H) + kl_coef * agg(kl(logp, ref_logp))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from megatron_dapo.actor.batch import MicroBatch
+from megatron_dapo.algorithm.loss import LOG_RATIO_CLAMP, PolicyLossStats, aggregate, kl_penalty, policy_loss
+
+__all__ = ["GlobalCounts", "ObjectiveSettings", "STAT_NAMES", "micro_batch_objective", "summarise"]
+
+_POLICY_FIELDS = tuple(f.name for f in fields(PolicyLossStats))
+STAT_NAMES = (
+    "loss",
+    "pg_loss",
+    "entropy_loss",
+    "kl_loss",
+    "entropy_sum",
+    "kl_sum",
+    "tis_weight_sum",
+    "tis_capped_sum",
+    *_POLICY_FIELDS,
+)
+"""Entries of the statistics vector. The ``*_loss`` entries are already globally normalised (their
+sum is the mini-batch value); ``*_sum`` entries and the policy-loss statistics are token sums."""
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """The loss terms and their constants (from `config.AlgorithmConfig`)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: Optional[float] = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_coef: float = 0.001
+    kl_type: str = "low_var_kl"
+    tis_cap: Optional[float] = None
+    horizon: Optional[int] = None
+    """Constant horizon of ``seq-mean-token-sum-norm`` (the max response length); None: the batch's
+    response width. Micro-batches are trimmed to their own longest response, so it is always passed."""
+
+    @classmethod
+    def from_config(cls, algorithm, horizon: Optional[int] = None) -> "ObjectiveSettings":
+        """From a `config.AlgorithmConfig`."""
+        return cls(
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            clip_c=algorithm.clip_c,
+            loss_agg_mode=algorithm.loss_agg_mode,
+            entropy_coeff=algorithm.entropy_coeff,
+            use_kl_loss=algorithm.kl.use_kl_loss,
+            kl_coef=algorithm.kl.coef,
+            kl_type=algorithm.kl.type,
+            tis_cap=algorithm.tis_cap,
+            horizon=horizon,
+        )
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Loss tokens and sequences (with at least one loss token) of the whole mini-batch, all ranks."""
+
+    num_tokens: float
+    num_seqs: float
+    response_width: int
+    """``R`` of the mini-batch: the default horizon of ``seq-mean-token-sum-norm``."""
+
+
+def _truncated_is_weight(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``min(exp(old - rollout), cap)`` (1 on masked tokens) and where the cap bit."""
+    diff = torch.where(mask, old_log_probs - rollout_log_probs, torch.zeros_like(old_log_probs))
+    weight = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    capped = mask & (weight > cap)
+    return weight.clamp(max=cap), capped
+
+
+def micro_batch_objective(
+    log_probs: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    micro_batch: MicroBatch,
+    settings: ObjectiveSettings,
+    counts: GlobalCounts,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This micro-batch's share of the mini-batch loss, and its statistics vector (`STAT_NAMES`).
+
+    Args:
+        log_probs: ``[k, W]`` current log-probs of the response tokens (differentiable).
+        entropy: ``[k, W]`` entropy of the current policy at those positions, or None.
+        micro_batch: supplies the loss mask, old / reference / rollout log-probs and advantages.
+    """
+    mb = micro_batch
+    if mb.old_log_probs is None or mb.advantages is None:
+        raise ValueError("the update needs old_log_probs and advantages in the PolicyBatch")
+    mask = mb.loss_mask
+    agg = dict(
+        mode=settings.loss_agg_mode,
+        num_tokens=counts.num_tokens,
+        num_seqs=counts.num_seqs,
+        horizon=settings.horizon or counts.response_width,
+    )
+    old = mb.old_log_probs.to(log_probs.dtype)
+    advantages = mb.advantages.to(log_probs.dtype)
+    pg, policy_stats = policy_loss(
+        log_probs, old, advantages, mask, clip_low=settings.clip_low, clip_high=settings.clip_high, clip_c=settings.clip_c
+    )
+    zero = log_probs.new_zeros(())
+    tis_weight_sum, tis_capped_sum = zero, zero
+    if settings.tis_cap is not None:
+        if mb.rollout_log_probs is None:
+            raise ValueError("algorithm.tis_cap is set but the PolicyBatch carries no rollout_log_probs")
+        weight, capped = _truncated_is_weight(old, mb.rollout_log_probs.to(log_probs.dtype), mask, settings.tis_cap)
+        pg = pg * weight  # the weight is data (no gradient), as in the IS estimator
+        tis_weight_sum = torch.where(mask, weight, 0.0).sum()
+        tis_capped_sum = capped.sum().to(log_probs.dtype)
+    pg_loss = aggregate(pg, mask, **agg)
+    loss = pg_loss
+
+    entropy_loss, entropy_sum = zero, zero
+    if entropy is not None:
+        entropy_loss = aggregate(entropy, mask, **agg)
+        entropy_sum = torch.where(mask, entropy, 0.0).sum()
+        if settings.entropy_coeff:
+            loss = loss - settings.entropy_coeff * entropy_loss
+
+    kl_loss, kl_sum = zero, zero
+    if settings.use_kl_loss:
+        if mb.ref_log_probs is None:
+            raise ValueError("algorithm.kl.use_kl_loss is set but the PolicyBatch carries no ref_log_probs")
+        kl = kl_penalty(log_probs, mb.ref_log_probs.to(log_probs.dtype), settings.kl_type, mask)
+        kl_loss = aggregate(kl, mask, **agg)
+        kl_sum = kl.sum()  # kl_penalty is 0 on masked tokens
+        loss = loss + settings.kl_coef * kl_loss
+
+    with torch.no_grad():
+        sums = torch.stack(
+            [
+                loss.detach().double(),
+                pg_loss.detach().double(),
+                entropy_loss.detach().double(),
+                kl_loss.detach().double(),
+                entropy_sum.detach().double(),
+                kl_sum.detach().double(),
+                tis_weight_sum.double(),
+                tis_capped_sum.double(),
+            ]
+        )
+        sums = torch.cat([sums, policy_stats.to_tensor().to(sums.device)])
+    return loss, sums
+
+
+def summarise(sums: torch.Tensor) -> dict[str, float]:
+    """Means of a statistics vector summed over micro-batches and ranks (Python floats for logging).
+
+    Keys: ``loss``, ``pg_loss``, ``entropy_loss``, ``kl_loss`` (the mini-batch objective terms under the
+    aggregation mode), ``entropy`` and ``kl`` (token means), ``tis_weight_mean``, ``tis_capped_frac``,
+    ``clipfrac``, ``clipfrac_high``, ``clipfrac_low``, ``dual_clipfrac``, ``approx_kl``, ``tokens``.
+    """
+    if sums.shape != (len(STAT_NAMES),):
+        raise ValueError(f"expected a statistics vector of {len(STAT_NAMES)} entries, got {tuple(sums.shape)}")
+    named = dict(zip(STAT_NAMES, sums.double().cpu()))
+    policy = PolicyLossStats.from_tensor(sums[len(STAT_NAMES) - len(_POLICY_FIELDS):].double().cpu())
+    tokens = float(policy.num_tokens)
+    per_token = max(tokens, 1.0)
+    out = {name: float(named[name]) for name in ("loss", "pg_loss", "entropy_loss", "kl_loss")}
+    out.update(
+        entropy=float(named["entropy_sum"]) / per_token,
+        kl=float(named["kl_sum"]) / per_token,
+        tis_weight_mean=float(named["tis_weight_sum"]) / per_token,
+        tis_capped_frac=float(named["tis_capped_sum"]) / per_token,
+        tokens=tokens,
+    )
+    out.update(policy.means())
+    return out
