@@ -221,7 +221,7 @@ def count_tokens_and_seqs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     (fully masked, e.g. overlong-filtered or padding rows) are NOT counted as sequences.
     """
     valid = mask.bool()
-    return valid.sum(), torch.tensor(valid.shape[0])
+    return valid.sum(), valid.any(dim=-1).sum()
 
 
 def _as_denominator(count: Count, like: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,8 @@ class DynamicSamplingBuffer:
     ) -> None:
         if train_batch_size < 1 or n_samples_per_prompt < 1:
             raise ValueError(
-                f"train_batch_size and n_samples_per_prompt must be >= 1, got {train_batch_size}, {n_samples_per_prompt}"
+                "train_batch_size and n_samples_per_prompt must be >= 1, "
+                f"got {train_batch_size}, {n_samples_per_prompt}"
             )
         if max_num_gen_batches < 0:
             raise ValueError(f"max_num_gen_batches must be >= 0 (0 = unlimited), got {max_num_gen_batches}")

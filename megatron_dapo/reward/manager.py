@@ -140,7 +140,7 @@ def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> to
 
 
 class _TokenBatch:
-    """Valid token ids of every response: one flat int64 array plus offsets (cheap to slice and send)."""
+    """Valid token ids of every response, as python lists or as flat arrays for a chunk."""
 
     def __init__(
         self,
@@ -148,6 +148,7 @@ class _TokenBatch:
         response_lengths: Union[torch.Tensor, Sequence[int], None],
     ) -> None:
         self._rows: Optional[list[list[int]]] = None
+        self._padded: Optional[np.ndarray] = None
         if isinstance(response_ids, torch.Tensor):
             if response_ids.dim() != 2 or response_ids.dtype.is_floating_point or response_ids.dtype == torch.bool:
                 raise ValueError(
@@ -155,22 +156,16 @@ class _TokenBatch:
                 )
             if response_lengths is None:
                 raise ValueError("response_lengths is required with a padded response_ids tensor")
-            lengths = self._check_lengths(response_lengths, [response_ids.shape[1]] * response_ids.shape[0])
-            width = response_ids.shape[1]
-            mask = torch.arange(width) < torch.tensor(lengths, dtype=torch.int64).reshape(-1, 1)
-            self.flat = response_ids.detach().cpu()[mask].to(torch.int64).numpy()
+            self.lengths = self._check_lengths(response_lengths, [response_ids.shape[1]] * response_ids.shape[0])
+            self._padded = response_ids.detach().cpu().to(torch.int64).numpy()
         else:
             rows = [r.tolist() if isinstance(r, torch.Tensor) else list(r) for r in response_ids]
             if response_lengths is None:
-                lengths = [len(r) for r in rows]
+                self.lengths = [len(r) for r in rows]
             else:
-                lengths = self._check_lengths(response_lengths, [len(r) for r in rows])
-                rows = [row if n == len(row) else row[:n] for row, n in zip(rows, lengths)]
+                self.lengths = self._check_lengths(response_lengths, [len(r) for r in rows])
+                rows = [row if n == len(row) else row[:n] for row, n in zip(rows, self.lengths)]
             self._rows = rows
-            self.flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=sum(lengths))
-        self.lengths = lengths
-        self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.offsets[1:])
 
     @staticmethod
     def _check_lengths(response_lengths: Union[torch.Tensor, Sequence[int]], limits: list[int]) -> list[int]:
@@ -188,20 +183,26 @@ class _TokenBatch:
 
     def rows(self, indices: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Python lists of token ids (all responses, or those at `indices`)."""
-        if self._rows is None:
-            ids = self.flat.tolist()
-            self._rows = [ids[self.offsets[i] : self.offsets[i + 1]] for i in range(len(self))]
-        return self._rows if indices is None else [self._rows[i] for i in indices]
+        if indices is None:
+            indices = range(len(self))
+        if self._rows is not None:
+            return [self._rows[i] for i in indices]
+        assert self._padded is not None
+        # Row-wise .tolist() of the valid part: about 3x faster than converting the padded batch.
+        return [self._padded[i, : self.lengths[i]].tolist() for i in indices]
 
     def take(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(flat ids, offsets) of the responses at `indices`; a view when they are contiguous."""
-        first, last = indices[0], indices[-1]
-        if last - first + 1 == len(indices):
-            return self.flat[self.offsets[first] : self.offsets[last + 1]], self.offsets[first : last + 2] - self.offsets[first]
-        parts = [self.flat[self.offsets[i] : self.offsets[i + 1]] for i in indices]
+        """(flat int64 ids, offsets) of the responses at `indices`: a compact message for a worker."""
         offsets = np.zeros(len(indices) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in parts], out=offsets[1:])
-        return np.concatenate(parts), offsets
+        np.cumsum([self.lengths[i] for i in indices], out=offsets[1:])
+        if self._padded is not None:
+            parts = [self._padded[i, : self.lengths[i]] for i in indices]
+            flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        else:
+            assert self._rows is not None
+            rows = self._rows
+            flat = np.fromiter(itertools.chain.from_iterable(rows[i] for i in indices), dtype=np.int64, count=int(offsets[-1]))
+        return flat, offsets
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,8 +335,8 @@ def _worker_main(conn: Any, progress: Any, setup: _WorkerSetup) -> None:
             try:
                 if tokenizer is None:
                     tokenizer = pickle.loads(setup.tokenizer_pickle)  # type: ignore[arg-type]
-                ids = chunk.flat_ids.tolist()
-                rows = [ids[chunk.offsets[i] : chunk.offsets[i + 1]] for i in range(count)]
+                bounds = chunk.offsets.tolist()
+                rows = [chunk.flat_ids[bounds[i] : bounds[i + 1]].tolist() for i in range(count)]
                 texts = list(tokenizer.batch_decode(rows, skip_special_tokens=True)) if count else []
                 if len(texts) != count:
                     raise RuntimeError(f"batch_decode returned {len(texts)} strings for {count} sequences")

@@ -282,7 +282,8 @@ def test_any_micro_batch_and_dp_split_gives_the_global_loss_and_gradient(mode, s
     rest = (3 + torch.randperm(mask.shape[0] - 3, generator=gen)).tolist()
     micro_batches = [[0, 1, 2]]
     for rank_rows in _random_partition(rest, ranks, gen):
-        micro_batches += [mb for mb in _random_partition(rank_rows, 1 + int(torch.randint(0, 4, (1,), generator=gen)), gen)]
+        num_micro = 1 + int(torch.randint(0, 4, (1,), generator=gen))
+        micro_batches += _random_partition(rank_rows, num_micro, gen)
     micro_batches = [mb for mb in micro_batches if mb]
 
     def micro_slice(rows):

@@ -67,7 +67,9 @@ MIXED, RIGHT, WRONG = [1, 0], [1, 1], [0, 0]
 
 
 def test_buffer_accumulates_until_full_and_returns_whole_groups_in_arrival_order():
-    buf = DynamicSamplingBuffer(train_batch_size=3, n_samples_per_prompt=2, max_num_gen_batches=5, pad_values={"input_ids": -1})
+    buf = DynamicSamplingBuffer(
+        train_batch_size=3, n_samples_per_prompt=2, max_num_gen_batches=5, pad_values={"input_ids": -1}
+    )
     batch, acc, uids = make_generation_batch(10, [WRONG, MIXED, RIGHT], seq_len=4, n=2)
     buf.add(batch, acc, uids)
     assert not buf.is_full and buf.num_stored_groups == 1
