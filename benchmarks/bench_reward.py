@@ -6,8 +6,8 @@ correctness, a few truncated at the length limit; fixed seed), tokenises them wi
 BPE tokenizer trained here on the synthetic text (no download) and wrapped in
 `transformers.PreTrainedTokenizerFast`, then times on the same inputs:
 
-* serial: for each response, `tokenizer.decode` + `math_dapo.compute_score` + the overlong
-  penalty of DAPO eq. 13 in plain Python (what a simple reward loop does);
+* serial: for each response, `tokenizer.decode` of its valid ids + `math_dapo.compute_score` + the
+  overlong penalty of DAPO eq. 13 in plain Python (the loop of verl's DAPO reward manager);
 * manager: `RewardManager.score` with `--workers` processes (default: os.cpu_count()), pool
   already started (it lives across training steps; its start-up is reported separately);
 * manager-inline: `RewardManager.score` with num_workers=0 (batched decode, scoring in-process);
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dapo.reward.manager import RewardManager  # noqa: E402
+from megatron_dapo.reward.manager import RewardManager, _batch_decode  # noqa: E402
 from megatron_dapo.reward.math_dapo import compute_score  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -143,32 +143,37 @@ def tokenize(tokenizer, responses: list[str]) -> tuple[torch.Tensor, torch.Tenso
 
 
 def serial_scores(tokenizer, ids: torch.Tensor, lengths: torch.Tensor, truths: list[str]) -> torch.Tensor:
-    """The plain loop: decode each, score each, add the penalty in python floats."""
+    """The plain loop, shaped like verl's DAPO reward manager: slice each row's valid ids, decode
+    it, score it, add the penalty in python floats."""
     out = []
-    rows, lens = ids.tolist(), lengths.tolist()
     expected = MAX_RESPONSE_LENGTH - OVERLONG_BUFFER
-    for row, length, truth in zip(rows, lens, truths):
-        text = tokenizer.decode(row[:length], skip_special_tokens=True)
+    for i, truth in enumerate(truths):
+        length = int(lengths[i])
+        text = tokenizer.decode(ids[i, :length], skip_special_tokens=True)
         reward = compute_score(text, truth)["score"]
         reward += min((expected - length) / OVERLONG_BUFFER * PENALTY_FACTOR, 0.0)
         out.append(reward)
     return torch.tensor(out, dtype=torch.float32)
 
 
-def _timed(fn, repeat: int) -> tuple[float, object]:
-    times, result = [], None
+def _interleaved(paths: dict, repeat: int) -> tuple[dict, dict]:
+    """Run every path once per round, `repeat` rounds, so that load from other processes on a
+    shared machine hits all paths alike. Returns ({name: [seconds]}, {name: last result})."""
+    times: dict = {name: [] for name in paths}
+    results: dict = {}
     for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return times, results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num", type=int, default=20000, help="number of responses")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="manager worker processes")
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (median and best reported)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -181,47 +186,77 @@ def main() -> None:
         f"tokens on average, {int((lengths == MAX_RESPONSE_LENGTH).sum())} truncated at {MAX_RESPONSE_LENGTH}; "
         f"set-up {time.perf_counter() - t0:.1f} s"
     )
-    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}; "
+        f"load average before timing {os.getloadavg()[0]:.2f}"
+    )
 
     settings = dict(
         overlong_enable=True, overlong_buffer_length=OVERLONG_BUFFER, overlong_penalty_factor=PENALTY_FACTOR,
         max_response_length=MAX_RESPONSE_LENGTH,
     )
-    serial_s, serial = _timed(lambda: serial_scores(tokenizer, ids, lengths, truths), args.repeat)
-
     inline = RewardManager(tokenizer, num_workers=0, **settings)
-    inline_s, inline_result = _timed(lambda: inline.score(ids, truths, lengths), args.repeat)
+    pooled = RewardManager(tokenizer, num_workers=args.workers, **settings)
+    pooled_text = RewardManager(tokenizer, num_workers=args.workers, decode_in_workers=False, **settings)
+    start = time.perf_counter()
+    pooled.score(ids[:1], truths[:1], lengths[:1])  # starts the pool, as the first training step would
+    startup_s = time.perf_counter() - start
+    pooled_text.score(ids[:1], truths[:1], lengths[:1])
 
-    with RewardManager(tokenizer, num_workers=args.workers, **settings) as pooled:
-        start = time.perf_counter()
-        pooled.score(ids[:1], truths[:1], lengths[:1])  # starts the pool, as the first training step would
-        startup_s = time.perf_counter() - start
-        pool_s, pool_result = _timed(lambda: pooled.score(ids, truths, lengths), args.repeat)
+    # Where the time goes, timed in the same rounds: decode in one batched call (as the manager feeds
+    # a Hugging Face tokenizer: 1-D arrays; and with python lists of ints), then scoring the text.
+    arrays = [ids[i, :n].numpy() for i, n in enumerate(lengths.tolist())]
+    lists = [a.tolist() for a in arrays]
+    decoded = _batch_decode(tokenizer, arrays)
+    paths = {
+        "serial loop (decode+score+penalty)": lambda: serial_scores(tokenizer, ids, lengths, truths),
+        "manager, in-process (num_workers=0)": lambda: inline.score(ids, truths, lengths),
+        f"manager, {args.workers} workers score, parent decodes": lambda: pooled_text.score(ids, truths, lengths),
+        f"manager, {args.workers} workers decode+score": lambda: pooled.score(ids, truths, lengths),
+        "part: batched decode": lambda: _batch_decode(tokenizer, arrays),
+        "part: batched decode, lists of ints": lambda: tokenizer.batch_decode(lists, skip_special_tokens=True),
+        "part: compute_score": lambda: [compute_score(r, t) for r, t in zip(decoded, truths)],
+    }
+    times, results = _interleaved(paths, args.repeat)
 
-    # Breakdown of the manager's work.
-    token_lists = [row[:n] for row, n in zip(ids.tolist(), lengths.tolist())]
-    decode_s, decoded = _timed(lambda: tokenizer.batch_decode(token_lists, skip_special_tokens=True), args.repeat)
-    score_s, _ = _timed(lambda: [compute_score(r, t) for r, t in zip(decoded, truths)], args.repeat)
+    # Small batches (a validation set, a tiny step): the pool's fixed cost per call.
+    small = 64
+    small_times, _ = _interleaved(
+        {
+            "serial": lambda: serial_scores(tokenizer, ids[:small], lengths[:small], truths[:small]),
+            "pool": lambda: pooled.score(ids[:small], truths[:small], lengths[:small]),
+        },
+        max(args.repeat, 5),
+    )
+    pooled.close()
+    pooled_text.close()
 
-    for name, result in (("manager", pool_result), ("manager-inline", inline_result)):
+    serial = results["serial loop (decode+score+penalty)"]
+    for name, result in results.items():
+        if name.startswith(("serial", "part")):
+            continue
         if not torch.equal(result.scores, serial):
             mismatches = int((result.scores != serial).sum())
-            raise SystemExit(f"MISMATCH: {name} differs from the serial loop on {mismatches} responses")
-    assert not bool(pool_result.failed.any()), "no sample should fail here"
+            raise SystemExit(f"MISMATCH: '{name}' differs from the serial loop on {mismatches} responses")
+        assert result.responses == decoded and not bool(result.failed.any())
 
-    acc = float(pool_result.acc.double().mean())
-    penalised = int((pool_result.overlong_penalty < 0).sum())
-    print(f"identical rewards on all {args.num} responses (accuracy {acc:.3f}, {penalised} penalised for length)")
-    print(f"{'path':<38}{'seconds':>9}{'responses/s':>14}{'speed-up':>10}")
-    for name, seconds in (
-        ("serial loop (decode+score+penalty)", serial_s),
-        ("manager, in-process (num_workers=0)", inline_s),
-        (f"manager, {args.workers} worker processes", pool_s),
-    ):
-        print(f"{name:<38}{seconds:>9.3f}{args.num / seconds:>14.0f}{serial_s / seconds:>9.2f}x")
+    last = results[f"manager, {args.workers} workers decode+score"]
+    acc = float(last.acc.double().mean())
+    penalised = int((last.overlong_penalty < 0).sum())
+    print(f"identical rewards on all {args.num} responses from every path (accuracy {acc:.3f}, {penalised} penalised for length)")
+    serial_s = statistics.median(times["serial loop (decode+score+penalty)"])
+    print(f"{'path':<44}{'median s':>9}{'best s':>8}{'responses/s':>13}{'speed-up':>10}")
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        if name.startswith("part"):
+            print(f"{name:<44}{median:>9.3f}{min(seconds):>8.3f}{args.num / median:>13.0f}")
+        else:
+            print(f"{name:<44}{median:>9.3f}{min(seconds):>8.3f}{args.num / median:>13.0f}{serial_s / median:>9.2f}x")
+    print(f"pool start-up (once per run, before the first batch): {startup_s:.2f} s")
+    print(f"load average after timing {os.getloadavg()[0]:.2f} (above ~0.5, other processes shared the cores: the parallel paths lose most)")
     print(
-        f"breakdown: batched decode {decode_s:.3f} s, compute_score in-process {score_s:.3f} s, "
-        f"pool start-up (once per run) {startup_s:.2f} s"
+        f"batch of {small}: serial {1e3 * statistics.median(small_times['serial']):.1f} ms, "
+        f"pool {1e3 * statistics.median(small_times['pool']):.1f} ms"
     )
 
 

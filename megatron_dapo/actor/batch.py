@@ -245,11 +245,18 @@ class MicroBatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: Optional[torch.Tensor]
+    """Megatron convention (True = masked); None lets the attention apply its own causal mask."""
     packed_seq_params: Optional[Any]
+    """Megatron's ``PackedSeqParams`` (THD layout) or None (padded rows)."""
     gather_index: torch.Tensor
+    """``[k, W]`` long: flat position (in ``labels.flatten()`` and the flattened per-token model output)
+    of response token ``j`` of sequence ``k``; past a response's end it repeats a valid position."""
     response_valid: torch.Tensor
+    """``[k, W]`` bool: real response tokens."""
     loss_mask: torch.Tensor
+    """``[k, W]`` bool: tokens in the loss (a subset of ``response_valid``)."""
     sequence_index: torch.Tensor
+    """``[k]`` rows of the `PolicyBatch` this micro-batch holds."""
     old_log_probs: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
@@ -283,7 +290,6 @@ def build_micro_batch(
     packed: bool = False,
     pad_token_id: int = 0,
     pad_to_multiple_of: int = 1,
-    causal_mask_fn: Optional[Any] = None,
     device: Optional[torch.device] = None,
 ) -> MicroBatch:
     """Model inputs for the sequences ``indices`` of ``batch`` (see the module docstring).
@@ -293,8 +299,9 @@ def build_micro_batch(
             of right-padded rows.
         pad_to_multiple_of: padded: the row length is rounded up to it; packed: every sequence slot
             is (sequence parallelism needs the tensor-parallel size here).
-        causal_mask_fn: ``seq_len -> mask`` for the padded layout when the attention needs an explicit
-            mask (the local spec: `model.builder.causal_attention_mask`); None passes no mask.
+
+    ``attention_mask`` is left None: causal attention needs no other mask with right padding, and
+    the caller sets an explicit causal mask where the attention implementation wants one.
     """
     device = device or batch.prompt_ids.device
     indices = [int(i) for i in indices]
@@ -325,8 +332,7 @@ def build_micro_batch(
             label_ids[row, : y.numel()] = y
         position_ids = torch.arange(seq_length, device=device).expand(rows, seq_length).contiguous()
         starts = torch.arange(rows, device=device, dtype=torch.long) * seq_length
-        attention_mask = causal_mask_fn(seq_length) if causal_mask_fn is not None else None
-        packed_seq_params = None
+        attention_mask, packed_seq_params = None, None
 
     columns = torch.arange(width, device=device)
     if count:

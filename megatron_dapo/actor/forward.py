@@ -67,6 +67,8 @@ def response_log_probs(
         compute_entropy=compute_entropy,
         vocab_size=vocab_size,
     )
+    # GPTModel returns [b, s, V/tp] (it transposes Megatron's [s, b] at the end, in 0.16 and 0.19), the
+    # layout of `labels` and of the flat positions in `gather_index`.
     index = micro_batch.gather_index.to(logits.device)
     valid = micro_batch.response_valid.to(logits.device)
     # Indexing the flat per-token values: backward scatters into the gathered positions only.

@@ -1,8 +1,8 @@
 """Megatron DDP, the Megatron optimizer and the learning-rate schedule for the actor.
 
-    models = prepare_for_training(models, cfg)            # sets the config flags, wraps in DDP
-    optimizer = build_optimizer(models, cfg)
-    scheduler = build_scheduler(optimizer, cfg)
+    models = prepare_for_training(models, use_distributed_optimizer=True)   # config flags + Megatron DDP
+    optimizer = build_optimizer(models, cfg.optimizer, use_distributed_optimizer=True)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, total_steps=cfg.trainer.total_steps)
 
 How the exact global token-mean survives Megatron (checked in megatron-core 0.16.1 and in the
 core_r0.19.0 branch of NVIDIA/Megatron-LM, where the same code paths hold):
@@ -25,7 +25,8 @@ core_r0.19.0 branch of NVIDIA/Megatron-LM, where the same code paths hold):
   does not.
 
 Net effect: the gradient is the sum over DP ranks and micro-batches of d(loss_mb)/dtheta, i.e. the
-gradient of the exact mini-batch loss; tests/actor compares it with a single-process run.
+gradient of the exact mini-batch loss; tests/actor compares it with a single-process run and with
+a hand-written loss on the HF model.
 
 Learning rate: Megatron's ``OptimizerParamScheduler`` with a linear warm-up from 0 over
 ``optimizer.warmup_steps`` and the ``constant`` decay style. We use Megatron's scheduler (not our
@@ -45,6 +46,7 @@ import torch
 
 __all__ = [
     "build_optimizer",
+    "ensure_tensor_parallel_attributes",
     "build_scheduler",
     "finalize_grads_without_scaling",
     "megatron_optimizer_config",
@@ -66,14 +68,59 @@ def finalize_grads_without_scaling(
     finalize_model_grads(models, None, **kwargs)
 
 
-def prepare_transformer_config(config: Any, pipeline_parallel_size: int) -> None:
+def ensure_tensor_parallel_attributes(models: Sequence[torch.nn.Module]) -> int:
+    """Mark tensor-parallel weights as such when Megatron left them unmarked; returns how many were.
+
+    Megatron-core 0.16.1 sets ``tensor_model_parallel`` / ``partition_dim`` on the weights of
+    ``ColumnParallelLinear``, ``RowParallelLinear`` and ``VocabParallelEmbedding`` only inside its
+    weight initialisers, so a model built with ``perform_initialization=False`` (to be loaded from a
+    checkpoint) has unmarked shards (fixed upstream by 0.19). The optimizer's gradient norm then
+    counts every unmarked shard as a TP duplicate, on TP rank 0 only: with TP > 1 the norm - and
+    with it gradient clipping - is wrong (found by tests/actor at TP=2). Marking them is exact:
+    these three layer types always shard their weight, along dim 0, 1 and 0 respectively.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    repaired = 0
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                dim = 0
+            elif isinstance(module, RowParallelLinear):
+                dim = 1
+            else:
+                continue
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(weight, True, dim, 1)
+                repaired += 1
+    return repaired
+
+
+def prepare_transformer_config(config: Any, pipeline_parallel_size: int, model_chunks: int = 1) -> None:
     """Flags every actor / reference forward needs on a model's ``TransformerConfig``.
 
     Micro-batches have varying shapes (token budget, trimmed padding), so with pipeline parallelism
     stages must exchange tensor shapes before each transfer (``variable_seq_lengths``).
+
+    With interleaving (several chunks per rank) at pipeline size 2, the previous and the next stage
+    are the same peer, and Megatron's batched shape exchange posts two sends and two receives to it
+    in an order that pairs them crosswise (tagless point-to-point matches FIFO): activations get the
+    gradient's shape and training breaks (NVIDIA/Megatron-LM issue #1450; unfixed in 0.16.1, in the
+    core_r0.19.0 branch and on main at the time of writing). Splitting forward and backward
+    communication in the steady state (``overlap_p2p_comm=True, batch_p2p_comm=False``, as verl
+    does) avoids the simultaneous bidirectional exchange; we use it for every interleaved run.
     """
     if pipeline_parallel_size > 1:
         config.variable_seq_lengths = True
+    if pipeline_parallel_size > 1 and model_chunks > 1:
+        config.overlap_p2p_comm = True
+        config.batch_p2p_comm = False
 
 
 def prepare_for_training(
@@ -96,9 +143,10 @@ def prepare_for_training(
         raise NotImplementedError(
             "the actor does not split sequences across context-parallel ranks: set parallel.cp=1"
         )
+    ensure_tensor_parallel_attributes(models)  # before DDP and the optimizer read them
     config.calculate_per_token_loss = True  # BEFORE DDP: makes it sum gradients (module doc)
     config.finalize_model_grads_func = finalize_grads_without_scaling
-    prepare_transformer_config(config, ps.get_pipeline_model_parallel_world_size())
+    prepare_transformer_config(config, ps.get_pipeline_model_parallel_world_size(), len(models))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,

@@ -38,6 +38,7 @@ import multiprocessing.connection
 import multiprocessing.sharedctypes
 import os
 import pickle
+import sys
 import threading
 import time
 import weakref
@@ -181,15 +182,14 @@ class _TokenBatch:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def rows(self, indices: Optional[Sequence[int]] = None) -> list[list[int]]:
-        """Python lists of token ids (all responses, or those at `indices`)."""
+    def rows(self, indices: Optional[Sequence[int]] = None) -> list[Union[np.ndarray, list[int]]]:
+        """Token ids of all responses (or those at `indices`): array views or the lists given."""
         if indices is None:
             indices = range(len(self))
         if self._rows is not None:
             return [self._rows[i] for i in indices]
         assert self._padded is not None
-        # Row-wise .tolist() of the valid part: about 3x faster than converting the padded batch.
-        return [self._padded[i, : self.lengths[i]].tolist() for i in indices]
+        return [self._padded[i, : self.lengths[i]] for i in indices]
 
     def take(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(flat int64 ids, offsets) of the responses at `indices`: a compact message for a worker."""
@@ -203,6 +203,25 @@ class _TokenBatch:
             rows = self._rows
             flat = np.fromiter(itertools.chain.from_iterable(rows[i] for i in indices), dtype=np.int64, count=int(offsets[-1]))
         return flat, offsets
+
+
+def _batch_decode(tokenizer: Any, rows: list[Union[np.ndarray, list[int]]]) -> list[str]:
+    """One batched ``batch_decode(..., skip_special_tokens=True)`` call.
+
+    Hugging Face tokenizers receive 1-D integer arrays: they turn each into a list with one C-level
+    ``tolist()``, whereas a python list gets an element-by-element type check first (about 35% of
+    the whole decode time for ~500-token responses; see docs/PERF.md). Any other tokenizer gets
+    the lists of ints the interface promises.
+    """
+    if not rows:
+        return []
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
+        rows = [row.tolist() if isinstance(row, np.ndarray) else row for row in rows]
+    texts = list(tokenizer.batch_decode(rows, skip_special_tokens=True))
+    if len(texts) != len(rows):
+        raise RuntimeError(f"tokenizer.batch_decode returned {len(texts)} strings for {len(rows)} sequences")
+    return texts
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,14 +327,14 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def _worker_main(conn: Any, progress: Any, setup: _WorkerSetup) -> None:
-    """Worker loop: receive (chunk id, common kwargs, _Chunk), send back (chunk id, results, texts)."""
+    """Worker loop: receive (chunk id, common kwargs, _Chunk); send back (chunk id, results, texts,
+    None), or (chunk id, None, None, message) when the worker cannot work at all."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     function: Optional[Callable[..., Any]] = None
     tokenizer: Any = None
-    load_error: Optional[str] = None
     while True:
         try:
             message = conn.recv()
@@ -325,30 +344,24 @@ def _worker_main(conn: Any, progress: Any, setup: _WorkerSetup) -> None:
             return
         chunk_id, common_kwargs, chunk = message
         count = len(chunk.ground_truths)
-        texts, error = chunk.texts, None
-        if function is None and load_error is None:
-            try:
+        step = "loading the reward function"
+        try:
+            if function is None:
                 function = setup.load_function()
-            except Exception as exc:
-                load_error = f"loading the reward function in a worker failed: {type(exc).__name__}: {exc}"
-        if texts is None:
-            try:
+            texts = chunk.texts
+            if texts is None:
+                step = "loading the tokenizer"
                 if tokenizer is None:
                     tokenizer = pickle.loads(setup.tokenizer_pickle)  # type: ignore[arg-type]
+                step = "decoding"
                 bounds = chunk.offsets.tolist()
-                rows = [chunk.flat_ids[bounds[i] : bounds[i + 1]].tolist() for i in range(count)]
-                texts = list(tokenizer.batch_decode(rows, skip_special_tokens=True)) if count else []
-                if len(texts) != count:
-                    raise RuntimeError(f"batch_decode returned {len(texts)} strings for {count} sequences")
-            except Exception as exc:
-                # The parent decodes these itself, so a real tokenizer error surfaces there.
-                texts, error = None, f"decoding in a worker failed: {type(exc).__name__}: {exc}"
-        error = error or load_error
-        if error is not None:
-            results: list[_SampleResult] = [(math.nan, False, None, error)] * count
-        else:
-            results = _score_texts(function, texts, chunk.ground_truths, chunk.extras, common_kwargs, progress)  # type: ignore[arg-type]
-        conn.send((chunk_id, results, texts if chunk.texts is None else None))
+                texts = _batch_decode(tokenizer, [chunk.flat_ids[bounds[i] : bounds[i + 1]] for i in range(count)])
+        except Exception as error:
+            # Not a per-sample failure: this worker cannot do any work, and neither could the next.
+            conn.send((chunk_id, None, None, f"{step} in a reward worker failed: {type(error).__name__}: {error}"))
+            continue
+        results = _score_texts(function, texts, chunk.ground_truths, chunk.extras, common_kwargs, progress)
+        conn.send((chunk_id, results, texts if chunk.texts is None else None, None))
 
 
 class _Worker:
@@ -430,13 +443,16 @@ class _WorkerPool:
         while pending or any(w.indices is not None for w in self.workers):
             while len(self.workers) < self.num_workers:
                 self.workers.append(_Worker(self.context, self.setup))
-            for worker in self.workers:
+            for worker in list(self.workers):
                 if worker.indices is None and pending:
-                    indices = pending.popleft()
+                    worker.indices = pending.popleft()
                     worker.chunk_id, self._next_chunk_id = self._next_chunk_id, self._next_chunk_id + 1
                     worker.progress[0], worker.progress[1] = _IDLE, -1.0
-                    worker.conn.send((worker.chunk_id, common_kwargs, build(indices)))
-                    worker.indices, worker.dispatched_at = indices, time.monotonic()
+                    worker.dispatched_at = time.monotonic()
+                    try:
+                        worker.conn.send((worker.chunk_id, common_kwargs, build(worker.indices)))
+                    except OSError:  # the process died while idle
+                        start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
 
             busy = [w for w in self.workers if w.indices is not None]
             now = time.monotonic()
@@ -447,11 +463,17 @@ class _WorkerPool:
             for worker in busy:
                 if worker.conn in ready:
                     try:
-                        chunk_id, chunk_results, chunk_texts = worker.conn.recv()
+                        chunk_id, chunk_results, chunk_texts, fatal = worker.conn.recv()
                     except (EOFError, OSError):
                         start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
                         continue
                     assert chunk_id == worker.chunk_id, "reward worker answered out of turn"
+                    if fatal is not None:
+                        raise RuntimeError(
+                            f"{fatal}. The parent process loaded the same function and tokenizer, so the workers see a "
+                            "different environment (sys.path, files); RewardManager(decode_in_workers=False) keeps "
+                            "decoding in the parent"
+                        )
                     for position, index in enumerate(worker.indices):  # type: ignore[arg-type]
                         results[index] = chunk_results[position]
                         if chunk_texts is not None:
@@ -675,7 +697,7 @@ class RewardManager:
             responses: list[str] = []
             results: list[Optional[_SampleResult]] = []
         elif self.num_workers == 0:
-            responses = self._decode(tokens.rows())
+            responses = _batch_decode(self.tokenizer, tokens.rows())
             results = list(_score_texts(self.score_fn, responses, ground_truths, extras, common))
         elif self.decode_in_workers:
 
@@ -686,11 +708,11 @@ class RewardManager:
             results, texts, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
             missing = [i for i, text in enumerate(texts) if text is None]
             if missing:  # timed-out or crashed samples (and chunks the workers could not decode)
-                for index, text in zip(missing, self._decode(tokens.rows(missing))):
+                for index, text in zip(missing, _batch_decode(self.tokenizer, tokens.rows(missing))):
                     texts[index] = text
             responses = texts  # type: ignore[assignment]
         else:
-            responses = self._decode(tokens.rows())
+            responses = _batch_decode(self.tokenizer, tokens.rows())
 
             def build(indices: list[int]) -> _Chunk:
                 return _Chunk([ground_truths[i] for i in indices], _pick(extras, indices), texts=[responses[i] for i in indices])
@@ -698,15 +720,6 @@ class RewardManager:
             results, _, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
 
         return self._assemble(results, lost, responses, tokens.lengths, apply_overlong)
-
-    def _decode(self, rows: list[list[int]]) -> list[str]:
-        """One batched decode call (special tokens skipped)."""
-        if not rows:
-            return []
-        texts = list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
-        if len(texts) != len(rows):
-            raise RuntimeError(f"tokenizer.batch_decode returned {len(texts)} strings for {len(rows)} sequences")
-        return texts
 
     def _per_sample_kwargs(
         self, count: int, data_sources: Optional[Sequence[Any]], extra_infos: Optional[Sequence[Any]]
