@@ -182,8 +182,9 @@ def main() -> None:
     tokenizer = build_tokenizer(responses)
     ids, lengths = tokenize(tokenizer, responses)
     print(
-        f"{args.num} responses, {sum(map(len, responses)) / args.num:.0f} chars and {float(lengths.double().mean()):.0f} "
-        f"tokens on average, {int((lengths == MAX_RESPONSE_LENGTH).sum())} truncated at {MAX_RESPONSE_LENGTH}; "
+        f"{args.num} responses, {sum(map(len, responses)) / args.num:.0f} chars and "
+        f"{float(lengths.double().mean()):.0f} tokens on average, "
+        f"{int((lengths == MAX_RESPONSE_LENGTH).sum())} truncated at {MAX_RESPONSE_LENGTH}; "
         f"set-up {time.perf_counter() - t0:.1f} s"
     )
     print(
@@ -243,7 +244,10 @@ def main() -> None:
     last = results[f"manager, {args.workers} workers decode+score"]
     acc = float(last.acc.double().mean())
     penalised = int((last.overlong_penalty < 0).sum())
-    print(f"identical rewards on all {args.num} responses from every path (accuracy {acc:.3f}, {penalised} penalised for length)")
+    print(
+        f"identical rewards on all {args.num} responses from every path "
+        f"(accuracy {acc:.3f}, {penalised} penalised for length)"
+    )
     serial_s = statistics.median(times["serial loop (decode+score+penalty)"])
     print(f"{'path':<44}{'median s':>9}{'best s':>8}{'responses/s':>13}{'speed-up':>10}")
     for name, seconds in times.items():
@@ -253,7 +257,10 @@ def main() -> None:
         else:
             print(f"{name:<44}{median:>9.3f}{min(seconds):>8.3f}{args.num / median:>13.0f}{serial_s / median:>9.2f}x")
     print(f"pool start-up (once per run, before the first batch): {startup_s:.2f} s")
-    print(f"load average after timing {os.getloadavg()[0]:.2f} (above ~0.5, other processes shared the cores: the parallel paths lose most)")
+    print(
+        f"load average after timing {os.getloadavg()[0]:.2f} "
+        "(above ~0.5, other processes shared the cores: the parallel paths lose most)"
+    )
     print(
         f"batch of {small}: serial {1e3 * statistics.median(small_times['serial']):.1f} ms, "
         f"pool {1e3 * statistics.median(small_times['pool']):.1f} ms"

@@ -44,6 +44,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_dapo.model.builder import mark_tensor_parallel_weights as ensure_tensor_parallel_attributes
+
 __all__ = [
     "build_optimizer",
     "ensure_tensor_parallel_attributes",
@@ -66,40 +68,6 @@ def finalize_grads_without_scaling(
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(models, None, **kwargs)
-
-
-def ensure_tensor_parallel_attributes(models: Sequence[torch.nn.Module]) -> int:
-    """Mark tensor-parallel weights as such when Megatron left them unmarked; returns how many were.
-
-    Megatron-core 0.16.1 sets ``tensor_model_parallel`` / ``partition_dim`` on the weights of
-    ``ColumnParallelLinear``, ``RowParallelLinear`` and ``VocabParallelEmbedding`` only inside its
-    weight initialisers, so a model built with ``perform_initialization=False`` (to be loaded from a
-    checkpoint) has unmarked shards (fixed upstream by 0.19). The optimizer's gradient norm then
-    counts every unmarked shard as a TP duplicate, on TP rank 0 only: with TP > 1 the norm - and
-    with it gradient clipping - is wrong (found by tests/actor at TP=2). Marking them is exact:
-    these three layer types always shard their weight, along dim 0, 1 and 0 respectively.
-    """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
-    repaired = 0
-    for model in models:
-        for module in model.modules():
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                dim = 0
-            elif isinstance(module, RowParallelLinear):
-                dim = 1
-            else:
-                continue
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "tensor_model_parallel"):
-                set_tensor_model_parallel_attributes(weight, True, dim, 1)
-                repaired += 1
-    return repaired
 
 
 def prepare_transformer_config(config: Any, pipeline_parallel_size: int, model_chunks: int = 1) -> None:

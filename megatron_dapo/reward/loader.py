@@ -92,7 +92,9 @@ def parse_reward_spec(spec: str, name: Optional[str] = None) -> RewardFunctionRe
             )
     target, function_name = target.strip(), function_name.strip()
     if not target or not function_name:
-        raise ValueError(f"'{_PATH_KEY}'={spec!r} with '{_NAME_KEY}'={name!r}: both a module/file and a function are needed")
+        raise ValueError(
+            f"'{_PATH_KEY}'={spec!r} with '{_NAME_KEY}'={name!r}: both a module/file and a function are needed"
+        )
     if _looks_like_file(target):
         path = os.path.abspath(os.path.expanduser(target))
         if not os.path.isfile(path):
@@ -147,7 +149,9 @@ def _import_module(module_name: str) -> ModuleType:
             "check the spelling and that it is on PYTHONPATH, or give a file path ending in .py"
         ) from error
     except Exception as error:
-        raise ImportError(f"importing {module_name!r} (from '{_PATH_KEY}') raised {type(error).__name__}: {error}") from error
+        raise ImportError(
+            f"importing {module_name!r} (from '{_PATH_KEY}') raised {type(error).__name__}: {error}"
+        ) from error
 
 
 def _load_file_module(path: str) -> ModuleType:

@@ -153,7 +153,8 @@ class _TokenBatch:
         if isinstance(response_ids, torch.Tensor):
             if response_ids.dim() != 2 or response_ids.dtype.is_floating_point or response_ids.dtype == torch.bool:
                 raise ValueError(
-                    f"response_ids must be a [B, T] integer tensor, got {response_ids.dtype} {tuple(response_ids.shape)}"
+                    "response_ids must be a [B, T] integer tensor, "
+                    f"got {response_ids.dtype} {tuple(response_ids.shape)}"
                 )
             if response_lengths is None:
                 raise ValueError("response_lengths is required with a padded response_ids tensor")
@@ -201,7 +202,8 @@ class _TokenBatch:
         else:
             assert self._rows is not None
             rows = self._rows
-            flat = np.fromiter(itertools.chain.from_iterable(rows[i] for i in indices), dtype=np.int64, count=int(offsets[-1]))
+            chained = itertools.chain.from_iterable(rows[i] for i in indices)
+            flat = np.fromiter(chained, dtype=np.int64, count=int(offsets[-1]))
         return flat, offsets
 
 
@@ -237,7 +239,8 @@ def _accepted_keywords(function: Callable[..., Any]) -> frozenset[str]:
         return frozenset()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return frozenset(_OPTIONAL_KEYWORDS)
-    names = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = {p.name for p in parameters if p.kind in by_name}
     return frozenset(k for k in _OPTIONAL_KEYWORDS if k in names)
 
 
@@ -598,7 +601,8 @@ class RewardManager:
 
         self._setup: Optional[_WorkerSetup] = None
         if num_workers > 0:
-            self._setup = _WorkerSetup(*self._function_for_workers(score_fn), self._tokenizer_for_workers(decode_in_workers))
+            ref, function = self._function_for_workers(score_fn)
+            self._setup = _WorkerSetup(ref, function, self._tokenizer_for_workers(decode_in_workers))
         self.decode_in_workers = self._setup is not None and self._setup.tokenizer_pickle is not None
         self._pool: Optional[_WorkerPool] = None
         self._closer: Optional[weakref.finalize] = None
@@ -685,7 +689,8 @@ class RewardManager:
         """
         tokens = _TokenBatch(response_ids, response_lengths)
         count = len(tokens)
-        for label, values in (("ground_truths", ground_truths), ("data_sources", data_sources), ("extra_infos", extra_infos)):
+        named = (("ground_truths", ground_truths), ("data_sources", data_sources), ("extra_infos", extra_infos))
+        for label, values in named:
             if values is not None and len(values) != count:
                 raise ValueError(f"{label} has {len(values)} entries for {count} responses")
         ground_truths = list(ground_truths)
@@ -703,7 +708,8 @@ class RewardManager:
 
             def build(indices: list[int]) -> _Chunk:
                 flat, offsets = tokens.take(indices)
-                return _Chunk([ground_truths[i] for i in indices], _pick(extras, indices), flat_ids=flat, offsets=offsets)
+                labels = [ground_truths[i] for i in indices]
+                return _Chunk(labels, _pick(extras, indices), flat_ids=flat, offsets=offsets)
 
             results, texts, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
             missing = [i for i, text in enumerate(texts) if text is None]
@@ -715,7 +721,8 @@ class RewardManager:
             responses = _batch_decode(self.tokenizer, tokens.rows())
 
             def build(indices: list[int]) -> _Chunk:
-                return _Chunk([ground_truths[i] for i in indices], _pick(extras, indices), texts=[responses[i] for i in indices])
+                labels = [ground_truths[i] for i in indices]
+                return _Chunk(labels, _pick(extras, indices), texts=[responses[i] for i in indices])
 
             results, _, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
 
@@ -760,14 +767,20 @@ class RewardManager:
             else:
                 raw[index], acc[index], preds[index] = result[0], result[1], result[2]
         for index, reason in failures[:_MAX_FAILURE_LOGS]:
-            logger.warning("reward function failed on sample %d: %s; it gets min_reward=%g", index, reason, self.min_reward)
+            logger.warning(
+                "reward function failed on sample %d: %s; it gets min_reward=%g", index, reason, self.min_reward
+            )
         if len(failures) > _MAX_FAILURE_LOGS:
             logger.warning("reward function failed on %d of %d samples in this batch", len(failures), count)
 
         if self.overlong_enable and apply_overlong and count:
             assert self.max_response_length is not None
             penalty = overlong_penalty(
-                lengths, self.max_response_length, self.overlong_buffer_length, self.overlong_penalty_factor, dtype=torch.float64
+                lengths,
+                self.max_response_length,
+                self.overlong_buffer_length,
+                self.overlong_penalty_factor,
+                dtype=torch.float64,
             )
         else:
             penalty = torch.zeros(count, dtype=torch.float64)

@@ -28,7 +28,8 @@ class CharTokenizer:
         for ids in sequences:
             if not isinstance(ids, list) or not all(type(i) is int for i in ids):
                 raise TypeError(f"CharTokenizer expects lists of python ints, got {type(ids).__name__}")
-            out.append("".join("" if (i == PAD_ID and skip_special_tokens) else chr(i - 1) if i else "<pad>" for i in ids))
+            chars = (("" if skip_special_tokens else "<pad>") if i == PAD_ID else chr(i - 1) for i in ids)
+            out.append("".join(chars))
         return out
 
 

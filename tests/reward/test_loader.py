@@ -45,7 +45,8 @@ def test_module_colon_function():
 
 
 def test_module_with_separate_name():
-    assert load_reward_function("megatron_dapo.reward.math_dapo", "normalize_final_answer") is math_dapo.normalize_final_answer
+    function = load_reward_function("megatron_dapo.reward.math_dapo", "normalize_final_answer")
+    assert function is math_dapo.normalize_final_answer
 
 
 def test_file_colon_function(reward_file):
@@ -71,10 +72,10 @@ def test_ref_pickles_and_loads_in_a_fresh_interpreter(reward_file):
         "import pickle, sys; ref = pickle.loads(sys.stdin.buffer.read()); "
         "print(ref.load()('hello', 'x')['score'])"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(
-        [sys.executable, "-c", code], input=pickle.dumps(ref), capture_output=True, check=True, cwd=reward_file.parent, env=env
-    )
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, input=pickle.dumps(ref), capture_output=True, check=True, cwd=reward_file.parent, env=env)
     assert out.stdout.decode().strip() == "5.0"
 
 

@@ -19,7 +19,9 @@ from megatron_dapo.reward.math_dapo import compute_score
 from . import _fixtures as fx
 
 MAX_LEN, BUFFER, FACTOR = 60, 20, 1.0
-OVERLONG = dict(overlong_enable=True, overlong_buffer_length=BUFFER, overlong_penalty_factor=FACTOR, max_response_length=MAX_LEN)
+OVERLONG = dict(
+    overlong_enable=True, overlong_buffer_length=BUFFER, overlong_penalty_factor=FACTOR, max_response_length=MAX_LEN
+)
 
 TEXTS = [
     "We add them.\nAnswer: 12",
@@ -101,7 +103,8 @@ def test_hf_tokenizer_matches_reference(hf_tokenizer, decode_in_workers):
     texts = [hf_tokenizer.decode(e, skip_special_tokens=True) for e in encoded]
     assert texts == TEXTS  # byte-level BPE round-trips exactly
     settings = dict(OVERLONG, max_response_length=max(lengths) - 2, overlong_buffer_length=10)
-    with RewardManager(hf_tokenizer, num_workers=2, decode_in_workers=decode_in_workers, chunk_size=3, **settings) as manager:
+    pooled = RewardManager(hf_tokenizer, num_workers=2, decode_in_workers=decode_in_workers, chunk_size=3, **settings)
+    with pooled as manager:
         assert manager.decode_in_workers is decode_in_workers
         got = manager.score(padded(encoded), TRUTHS, torch.tensor(lengths))
     inline = RewardManager(hf_tokenizer, num_workers=0, **settings).score(encoded, TRUTHS)

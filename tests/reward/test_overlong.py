@@ -17,7 +17,9 @@ def eq13(length: int, max_len: int, buffer: int, factor: float) -> float:
     return -factor
 
 
-@pytest.mark.parametrize("max_len, buffer, factor", [(20, 4, 1.0), (20, 20, 0.5), (4096, 1024, 1.0), (7, 1, 2.0), (20, 3, 1.0)])
+@pytest.mark.parametrize(
+    "max_len, buffer, factor", [(20, 4, 1.0), (20, 20, 0.5), (4096, 1024, 1.0), (7, 1, 2.0), (20, 3, 1.0)]
+)
 def test_matches_eq13_for_every_length(max_len, buffer, factor):
     lengths = list(range(0, max_len + 10))
     got = overlong_penalty(lengths, max_len, buffer, factor)
