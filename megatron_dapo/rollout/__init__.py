@@ -1,0 +1,1 @@
+"""Rollout engines (embedded HF, vLLM, SGLang) and actor -> engine weight sync."""
