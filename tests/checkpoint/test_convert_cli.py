@@ -1,0 +1,142 @@
+"""The conversion commands as a user runs them: tools/*.py and `megatron-dapo convert ...`.
+
+Help texts; clear one-line errors with exit code 2 (missing directory, no config.json, a TP / PP
+that does not divide the model, a non-empty output without --overwrite, nothing complete to
+export, an output inside the checkpoint); and an end-to-end run: `megatron-dapo convert
+hf-to-megatron --verify-logits` (its Megatron vs HF block-by-block check passes), then
+tools/convert_megatron_to_hf.py restores the exact tensors.
+
+The error cases call the tools' `main(argv)` in this process (they fail before any Megatron state
+exists, and a Python start-up per case would dominate the run time); one of them also runs as a
+real subprocess to check the exit status and stderr a shell sees.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+HF_TO_MEGATRON = [sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py")]
+MEGATRON_TO_HF = [sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py")]
+CLI = [sys.executable, "-m", "megatron_dapo.cli", "convert"]
+
+
+def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_parse_size():
+    from megatron_dapo.convert import ConversionError, parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("1.5 kb") == 1500 and parse_size(1234) == 1234
+    for bad in ("five GB", "5XB", "0MB", -1):
+        with pytest.raises(ConversionError):
+            parse_size(bad)
+
+
+def test_help_explains_both_directions():
+    forward = _run([*HF_TO_MEGATRON, "--help"])
+    assert forward.returncode == 0
+    for text in ("--hf-dir", "--tp", "--pp", "--vpp", "--overwrite", "--verify-logits", "ANY tensor"):
+        assert text in forward.stdout
+    backward = _run([*MEGATRON_TO_HF, "--help"])
+    assert backward.returncode == 0
+    for text in ("--megatron-dir", "--max-shard-size", "--hf-config-dir", "latest complete"):
+        assert text in backward.stdout
+    top = _run([*CLI, "--help"])
+    assert top.returncode == 0 and "hf-to-megatron" in top.stdout and "megatron-to-hf" in top.stdout
+
+
+@pytest.fixture()
+def not_a_model(tmp_path) -> Path:
+    path = tmp_path / "not_a_model"
+    path.mkdir()
+    (path / "README.md").write_text("no config here")
+    return path
+
+
+def _tool(name: str):
+    """The `main(argv)` of a tools/ script, imported from its file."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_dir", "does not exist"),
+        ("no_config", "no config.json in"),
+        ("tp3", "parallel.tp=3 does not divide model num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
+        ("pp3", "parallel.pp=3 does not divide model num_hidden_layers=4"),
+        ("non_empty_output", "is not empty: choose another one or pass --overwrite"),
+    ],
+)
+def test_hf_to_megatron_errors(case, message, tiny_model_dirs, not_a_model, tmp_path, capsys):
+    hf_dir, output, extra = tiny_model_dirs["qwen2"], tmp_path / "out", []
+    if case == "missing_dir":
+        hf_dir = tmp_path / "missing"
+    elif case == "no_config":
+        hf_dir = not_a_model
+    elif case == "tp3":
+        extra = ["--tp", "3"]
+    elif case == "pp3":
+        extra = ["--pp", "3"]
+    elif case == "non_empty_output":
+        output.mkdir()
+        (output / "something").write_text("x")
+    code = _tool("convert_hf_to_megatron")(["--hf-dir", str(hf_dir), "--output", str(output), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    if case != "non_empty_output":
+        assert not output.exists()  # nothing is written before the inputs are checked
+
+
+def test_megatron_to_hf_errors(tmp_path, tiny_model_dirs, capsys):
+    main = _tool("convert_megatron_to_hf")
+    assert main(["--megatron-dir", str(tmp_path / "missing"), "--output", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    root = tmp_path / "root"
+    (root / ".tmp-step_00000005" / "dist").mkdir(parents=True)
+    assert main(["--megatron-dir", str(root), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no complete checkpoint" in err and ".tmp-step_00000005" in err
+
+
+def test_errors_reach_the_shell_as_one_line(tmp_path):
+    result = _run([*CLI, "hf-to-megatron", "--hf-dir", str(tmp_path / "missing"), "--output", str(tmp_path / "o")])
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: HF model directory {tmp_path / 'missing'} does not exist"
+
+
+def test_end_to_end_with_logits_check(tiny_model_dirs, tmp_path, capsys):
+    hf_dir = tiny_model_dirs["qwen2_tied"]
+    checkpoint, exported = tmp_path / "megatron", tmp_path / "exported"
+    forward = _run([*CLI, "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(checkpoint),
+                    "--tp", "2", "--pp", "2", "--verify-logits", "--verify-tol", "1e-5"])  # fmt: skip
+    assert forward.returncode == 0, forward.stdout + forward.stderr
+    assert "logits check: all 6 blocks match (embedding, 4 layers, logits)" in forward.stdout
+    assert "HF -> Megatron" in forward.stderr and "layer 3" in forward.stderr  # the per-layer progress bar
+    backward = _run([*MEGATRON_TO_HF, "--megatron-dir", str(checkpoint), "--output", str(exported)])
+    assert backward.returncode == 0, backward.stdout + backward.stderr
+    original, restored = load_file(str(hf_dir / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert sorted(original) == sorted(restored)
+    assert all(torch.equal(original[n], restored[n]) and original[n].dtype == restored[n].dtype for n in original)
+    assert (exported / "config.json").read_bytes() == (hf_dir / "config.json").read_bytes()
+    # Exporting into the checkpoint itself is refused (checked before anything is written).
+    assert _tool("convert_megatron_to_hf")(["--megatron-dir", str(checkpoint), "--output", str(checkpoint / "hf")]) == 2
+    assert "must not be inside the checkpoint" in capsys.readouterr().err
+    assert not (checkpoint / "hf" / "model.safetensors").exists()
