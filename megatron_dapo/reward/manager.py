@@ -2,8 +2,8 @@
 added once, and the reward placed on each response's last valid token.
 
 Where the time goes (see docs/PERF.md): for the DAPO math reward, decoding the token ids costs
-about five times as much as scoring the text, so a pool that only scores cannot speed a step up.
-With worker processes, each chunk therefore travels as token ids (a flat integer array plus
+four to five times as much as scoring the text, so a pool that only scores saves little. With
+worker processes, each chunk therefore travels as token ids (a flat integer array plus
 offsets: cheap to send) and the worker decodes it with its own copy of the tokenizer (one batched
 ``batch_decode`` call per chunk) before scoring; decoded text comes back for logging. When the
 tokenizer cannot be pickled, or with ``num_workers=0``, the parent decodes the whole batch in one
@@ -24,7 +24,9 @@ the step:
 Workers are started with 'forkserver' where available (never plain 'fork', which is unsafe once
 torch has started threads), else 'spawn'. Functions travel to them by reference; functions loaded
 from a file (`loader.load_reward_function`) travel as file path + name and are loaded again in
-each worker on first use.
+each worker on first use. Workers are daemonic so that they can never outlive the trainer; a
+reward function may therefore run subprocesses (``subprocess``) but not start ``multiprocessing``
+children of its own.
 """
 
 from __future__ import annotations
@@ -713,7 +715,7 @@ class RewardManager:
 
             results, texts, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
             missing = [i for i, text in enumerate(texts) if text is None]
-            if missing:  # timed-out or crashed samples (and chunks the workers could not decode)
+            if missing:  # samples lost with a timed-out or crashed worker
                 for index, text in zip(missing, _batch_decode(self.tokenizer, tokens.rows(missing))):
                     texts[index] = text
             responses = texts  # type: ignore[assignment]
@@ -754,18 +756,21 @@ class RewardManager:
         apply_overlong: bool,
     ) -> RewardResult:
         count = len(results)
-        raw = torch.empty(count, dtype=torch.float64)
-        acc = torch.zeros(count, dtype=torch.bool)
-        failed = torch.zeros(count, dtype=torch.bool)
+        # Python lists first, one tensor each at the end (item-wise tensor writes cost ~5 us apiece).
+        raw_list: list[float] = [self.min_reward] * count
+        acc_list: list[bool] = [False] * count
+        failed_list: list[bool] = [False] * count
         preds: list[Any] = [None] * count
         failures: list[tuple[int, str]] = []
         for index, result in enumerate(results):
             if result is None or result[3] is not None:
-                raw[index] = self.min_reward
-                failed[index] = True
+                failed_list[index] = True
                 failures.append((index, lost.get(index) or (result[3] if result is not None else "no result")))
             else:
-                raw[index], acc[index], preds[index] = result[0], result[1], result[2]
+                raw_list[index], acc_list[index], preds[index] = result[0], result[1], result[2]
+        raw = torch.tensor(raw_list, dtype=torch.float64)
+        acc = torch.tensor(acc_list, dtype=torch.bool)
+        failed = torch.tensor(failed_list, dtype=torch.bool)
         for index, reason in failures[:_MAX_FAILURE_LOGS]:
             logger.warning(
                 "reward function failed on sample %d: %s; it gets min_reward=%g", index, reason, self.min_reward
