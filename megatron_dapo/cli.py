@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "the main job on the embedded CPU default (today: the DAPO algorithm walk-through, see README)",
     ),
     "config": ("megatron_dapo.config_cli", "print the resolved configuration of a YAML file + overrides, or its error"),
+    "convert": ("megatron_dapo.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
+    "check-sync": ("megatron_dapo.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
 }
 
 
