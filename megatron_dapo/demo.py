@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     manager = RewardManager(
         tokenizer,
         score_fn=cfg.reward.custom_function.path,
-        num_workers=cfg.reward.num_workers or 2,
+        num_workers=cfg.reward.num_workers or min(8, os.cpu_count() or 1),  # 0 = automatic (config doc)
         timeout_s=cfg.reward.timeout_s,
         overlong_enable=a.overlong_buffer.enable,
         overlong_buffer_length=a.overlong_buffer.len,
