@@ -32,7 +32,6 @@ import sys
 import time
 import traceback
 import weakref
-from pathlib import Path
 
 import torch
 
