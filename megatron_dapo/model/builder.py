@@ -279,11 +279,32 @@ def build_gpt_models(
         rotary = model.rotary_pos_emb
         # Set before the first forward: RotaryEmbedding.forward caches its output per length.
         rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device)
+        place_parameters(model, dtype)
         models.append(model)
     if not init_weights:
         mark_tensor_parallel_weights(models)
     return models
 
+
+
+def place_parameters(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Put every parameter on this rank's device in the model's dtype; returns how many moved.
+
+    The local spec's RMSNorm (`WrappedTorchNorm` -> `torch.nn.RMSNorm`) is created on the CPU in
+    float32 whatever the config says, while the linear layers follow `params_dtype` and the GPU.
+    Megatron's own trainer hides this with `model.cuda()` + `Float16Module`; without it a GPU
+    forward fails (norm weight on the CPU) and, once Megatron DDP has moved them, the norms train
+    in float32 and no longer match a bf16 engine's copy (found on an H100). HF keeps its norms in
+    the model dtype too, so casting them keeps the two numerically identical.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    moved = 0
+    for param in model.parameters():
+        target_dtype = dtype if param.is_floating_point() else param.dtype
+        if param.device != device or param.dtype != target_dtype:
+            param.data = param.data.to(device=device, dtype=target_dtype)
+            moved += 1
+    return moved
 
 
 def mark_tensor_parallel_weights(models: Sequence[torch.nn.Module]) -> int:
