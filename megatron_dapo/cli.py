@@ -17,6 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "megatron_dapo.demo",
         "the main job on the embedded CPU default (today: the DAPO algorithm walk-through, see README)",
     ),
+    "train": ("megatron_dapo.train_cli", "DAPO training (every rank; torchrun / srun / one process), --resume to continue"),
+    "sft": ("megatron_dapo.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
+    "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
     "config": ("megatron_dapo.config_cli", "print the resolved configuration of a YAML file + overrides, or its error"),
     "convert": ("megatron_dapo.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
     "check-sync": ("megatron_dapo.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
@@ -36,7 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_known_warnings() -> None:
+    """torch.distributed and Megatron-Core deprecation notices about APIs they call themselves: not
+    the user's concern, and they bury the training table (PYTHONWARNINGS=default shows them)."""
+    import warnings
+
+    if not sys.warnoptions:
+        for module in (r"torch\.distributed", r"megatron", r"megatron_dapo\.distributed\.cpu_compat"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "_module", None):

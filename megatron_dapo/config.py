@@ -209,6 +209,22 @@ class OptimizerConfig:
 
 
 @dataclass
+class SFTConfig:
+    """The supervised warm start (`megatron-dapo sft`): the actor's update step with a cross-entropy loss."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Parquet or jsonl in the verl/DAPO schema plus a `response` field (the target text)."""
+    total_steps: int = 0
+    """Optimizer steps (0: no warm start)."""
+    batch_size: int = 32
+    """Sequences per optimizer step, all data-parallel ranks together."""
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    output_dir: str = "outputs/sft"
+    """Its checkpoints (`checkpoints/step_N`) are what `model.megatron_checkpoint` points the DAPO run at."""
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 100
     """Optimizer (rollout) steps; generation batches are counted separately."""
@@ -247,6 +263,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def resolve_world(self, world_size: int) -> "Config":
         """Derive the data-parallel size from the world size and check the layout fits it."""
@@ -444,6 +461,9 @@ def validate(cfg: Config) -> None:
     _require(0 < r.gpu_memory_utilization <= 1, "'rollout.gpu_memory_utilization' must be in (0, 1]")
     _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
 
+    _require(cfg.sft.total_steps >= 0, f"'sft.total_steps' must be >= 0, got {cfg.sft.total_steps}")
+    _require(cfg.sft.batch_size >= 1, f"'sft.batch_size' must be >= 1, got {cfg.sft.batch_size}")
+    _require(cfg.sft.lr > 0, f"'sft.lr' must be > 0, got {cfg.sft.lr}")
     _require(0 <= a.clip_low < 1, f"'algorithm.clip_low' must be in [0, 1), got {a.clip_low}")
     _require(a.clip_high >= 0, f"'algorithm.clip_high' must be >= 0, got {a.clip_high}")
     _require(

@@ -1,17 +1,20 @@
-"""`megatron-dapo demo`: the DAPO algorithm core, end to end, on the synthetic arithmetic task.
+"""`megatron-dapo demo`: the main job on a CPU machine - a tiny model learns arithmetic with DAPO.
 
-What runs for real: the demo tokenizer (trained here), the DAPO prompt template, the rule-based
-math reward and the overlong penalty in the reward manager's process pool, dynamic sampling over
-successive generation batches, group-normalised advantages, the clip-higher policy loss with the
-exact token-mean, and its gradient.
+Three phases, all with the real trainer code (Megatron-Core actor, rollout engine, reward, dynamic
+sampling, checkpoints):
 
-What is scripted: the responses. There is no model in this command yet: a seeded "policy" writes
-each response as a correct worked solution, a wrong one, one without an `Answer:` line, or a
-rambling one cut at the maximum length, with a per-prompt skill so that some groups are all
-correct, some all wrong and some mixed - the situations dynamic sampling exists for. The
-"log-probs" fed to the loss are likewise synthetic (current = old + noise). The demo says so in
-its output. The trainer replaces all of this with generation by the rollout engine and log-probs
-from the Megatron actor.
+1. workspace (`outputs/demo` by default, once): the demo tokenizer (a byte-level BPE trained on the
+   task's text), a randomly initialised Qwen2-shaped model (head_dim 32, which vLLM's CPU attention
+   supports), and the arithmetic task in the verl/DAPO schema - train and held-out validation
+   parquet files, and an SFT file whose `response` is a short worked solution;
+2. supervised warm start (`sft` section of the config) so that the model writes the `Answer:` line;
+3. DAPO (the rest of the config) from the SFT checkpoint, validating before training and every
+   `trainer.eval_every` steps; the before/after validation accuracy is printed at the end, and the
+   curves are in `<trainer.output_dir>/plot.png`.
+
+    megatron-dapo demo                                          # one process
+    torchrun --nproc_per_node 2 -m megatron_dapo.cli demo parallel.tp=2
+    megatron-dapo demo rollout.engine=vllm                      # vLLM's CPU build, real weight sync
 """
 
 from __future__ import annotations
@@ -19,132 +22,121 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import re
 import time
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
 
+# The demo model: Qwen2-shaped, ~0.8M parameters. head_dim = 128 / 4 = 32.
+DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+_QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny_cpu.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps to walk through (default 3)")
+    parser.add_argument("--workspace", default="outputs/demo", help="model, data and runs go here (default outputs/demo)")
+    parser.add_argument("--skip-sft", action="store_true", help="reuse the workspace's SFT checkpoint when there is one")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2")
 
 
-def _scripted_response(problem, rng: random.Random, skill: float, max_chars: int) -> tuple[str, str]:
-    """One response of the scripted policy and its kind."""
-    from megatron_dapo.data.arithmetic import worked_solution
+def prepare_workspace(root: Path, seed: int, num_train: int = 4000, num_val: int = 64, max_operand: int = 20) -> dict[str, Path]:
+    """Create the demo's model, tokenizer and data under `root` (idempotent; deterministic in `seed`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
-    roll = rng.random()
-    if roll < skill:
-        return worked_solution(problem), "correct"
-    kind = rng.choice(["wrong", "wrong", "no-answer-line", "rambling"])
-    if kind == "wrong":
-        wrong = int(problem.answer) + rng.choice([-10, -1, 1, 2, 10])
-        return f"{problem.a} {problem.op} {problem.b} = {wrong}\nAnswer: {wrong}", kind
-    if kind == "no-answer-line":
-        return f"{problem.a} {problem.op} {problem.b} is {problem.answer}", kind
-    return ("Let me think. " * 200)[:max_chars], kind
+    from megatron_dapo.data.arithmetic import build_tokenizer, worked_solution, ArithmeticProblem
+    from megatron_dapo.data.prepare import read_records, write_arithmetic_dataset, write_records
+
+    paths = {"model": root / "model", "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
+             "sft": root / "data" / "sft.jsonl"}  # fmt: skip
+    ready = root / ".ready"
+    if ready.exists():
+        return paths
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **DEMO_MODEL,
+    )  # fmt: skip
+    config.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(str(paths["model"]))
+    write_arithmetic_dataset(root / "data", num_train=num_train, num_val=num_val, seed=seed, max_operand=max_operand)
+    sft_records = []
+    for record in read_records(paths["train"]):
+        a, op, b = _QUESTION.search(record["extra_info"]["question"]).groups()
+        problem = ArithmeticProblem(record["extra_info"]["question"], record["reward_model"]["ground_truth"], int(a), int(b), op)
+        sft_records.append({**record, "response": worked_solution(problem)})
+    write_records(sft_records, paths["sft"])
+    ready.write_text(json.dumps({"seed": seed, "model": DEMO_MODEL}))
+    return paths
+
+
+def _wait_for(path: Path, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not finish preparing {path.parent} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _val_accuracy(metrics_file: Path) -> list[tuple[int, float]]:
+    from megatron_dapo.tracking import read_metrics
+
+    points = []
+    for record in read_metrics(metrics_file):
+        for key, value in record.items():
+            if key.startswith("val/acc/mean@"):
+                points.append((int(record["step"]), float(value)))
+    return points
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from megatron_dapo.algorithm.advantage import grpo_advantages, token_advantages
-    from megatron_dapo.algorithm.loss import aggregate, count_tokens_and_seqs, policy_loss
-    from megatron_dapo.algorithm.sampling import DynamicSamplingBuffer
     from megatron_dapo.config import load_config
-    from megatron_dapo.data.arithmetic import build_tokenizer, make_problems
-    from megatron_dapo.reward.manager import RewardManager
+    from megatron_dapo.distributed.setup import resolve_launch_env
+    from megatron_dapo.sft import run_sft
+    from megatron_dapo.train_cli import guarded
+    from megatron_dapo.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
-    r, a, t = cfg.rollout, cfg.algorithm, cfg.trainer
-    print("megatron-dapo demo: the DAPO algorithm core on the synthetic arithmetic task.")
-    print("NOTE: responses and log-probs are SCRIPTED (no model yet); reward, dynamic sampling,")
-    print("advantages, loss and gradient are the real implementations the trainer uses.\n")
+    root = Path(args.workspace)
+    launch = resolve_launch_env(os.environ, free_port=0)
+    started = time.perf_counter()
+    if launch.rank == 0:
+        paths = prepare_workspace(root, seed=7)
+    else:
+        _wait_for(root / ".ready")
+        paths = prepare_workspace(root, seed=7)
+    overrides = [
+        f"model.hf_dir={paths['model']}",
+        f"data.train_files=[{paths['train']}]",
+        f"data.val_files=[{paths['val']}]",
+        f"sft.train_files=[{paths['sft']}]",
+        f"sft.output_dir={root / 'sft'}",
+        f"trainer.output_dir={root / 'dapo'}",
+        *args.overrides,
+    ]
+    cfg = load_config(args.config, overrides)
+    say = print if launch.rank == 0 else (lambda *a, **k: None)
+    sft_root = Path(cfg.sft.output_dir) / "checkpoints"
 
-    tokenizer = build_tokenizer()
-    rng = random.Random(t.seed)
-    torch.manual_seed(t.seed)
-    problems = make_problems(t.gen_batch_size * args.steps * max(1, a.filter_groups.max_num_gen_batches), seed=t.seed)
-    next_problem = 0
-    manager = RewardManager(
-        tokenizer,
-        score_fn=cfg.reward.custom_function.path,
-        num_workers=cfg.reward.num_workers or min(8, os.cpu_count() or 1),  # 0 = automatic (config doc)
-        timeout_s=cfg.reward.timeout_s,
-        overlong_enable=a.overlong_buffer.enable,
-        overlong_buffer_length=a.overlong_buffer.len,
-        overlong_penalty_factor=a.overlong_buffer.penalty_factor,
-        max_response_length=r.max_response_length,
-        min_reward=cfg.reward.min_reward,
-    )
-    buffer = DynamicSamplingBuffer(
-        t.train_batch_size, r.n, a.filter_groups.max_num_gen_batches, enabled=a.filter_groups.enable,
-        pad_values={"response_ids": tokenizer.pad_token_id},
-    )
-    summary = []
-    with manager:
-        for step in range(1, args.steps + 1):
-            started = time.perf_counter()
-            while not buffer.is_full:
-                batch_problems = problems[next_problem : next_problem + t.gen_batch_size]
-                next_problem += t.gen_batch_size
-                responses, truths, uids, kinds = [], [], [], []
-                for index, problem in enumerate(batch_problems):
-                    skill = rng.choice([0.0, 0.3, 0.7, 1.0])  # some groups all wrong / all right
-                    for _ in range(r.n):
-                        text, kind = _scripted_response(problem, rng, skill, max_chars=4 * r.max_response_length)
-                        responses.append(text)
-                        kinds.append(kind)
-                        truths.append(problem.answer)
-                        uids.append(f"s{step}-p{next_problem + index}")
-                ids = [tokenizer(text)["input_ids"][: r.max_response_length] for text in responses]
-                lengths = torch.tensor([len(x) for x in ids])
-                padded = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
-                for row, x in enumerate(ids):
-                    padded[row, : len(x)] = torch.tensor(x)
-                rewards = manager.score(padded, truths, lengths)
-                kept = buffer.add(
-                    {"response_ids": padded, "lengths": lengths, "scores": rewards.scores, "acc": rewards.acc},
-                    metric=rewards.acc, group_ids=uids,
-                )
-                print(
-                    f"step {step} gen batch {buffer.num_gen_batches}: {kept.num_groups} groups, "
-                    f"{kept.num_kept} informative, {kept.num_all_correct} all-correct, {kept.num_all_wrong} all-wrong; "
-                    f"acc {rewards.acc.float().mean():.2f}, score {rewards.scores.mean():+.3f}, "
-                    f"{int((rewards.overlong_penalty < 0).sum())} responses penalised for length"
-                )
-            train = buffer.take()
-            group_ids = torch.arange(t.train_batch_size).repeat_interleave(r.n)
-            advantages = grpo_advantages(train["scores"], group_ids, norm_by_std=a.norm_adv_by_std)
-            mask = torch.arange(train["response_ids"].shape[1])[None, :] < train["lengths"][:, None]
-            old_log_probs = -torch.rand(mask.shape) * 2
-            log_probs = (old_log_probs + 0.2 * torch.randn(mask.shape)).requires_grad_(True)
-            per_token, stats = policy_loss(
-                log_probs, old_log_probs, token_advantages(advantages, mask), mask,
-                clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c,
-            )
-            num_tokens, num_seqs = count_tokens_and_seqs(mask)
-            loss = aggregate(per_token, mask, a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
-            loss.backward()
-            record = {
-                "step": step,
-                **buffer.stats,
-                "train/num_sequences": int(mask.shape[0]),
-                "train/num_tokens": int(num_tokens),
-                "critic/score/mean": float(train["scores"].mean()),
-                "critic/advantages/max": float(advantages.max()),
-                "critic/advantages/min": float(advantages.min()),
-                "actor/pg_loss": float(loss.detach()),
-                "actor/pg_clipfrac": float(stats.clipfrac),
-                "actor/pg_clipfrac_higher": float(stats.clipfrac_high),
-                "actor/ppo_kl": float(stats.approx_kl),
-                "actor/grad_norm_wrt_logprobs": float(log_probs.grad.norm()),
-                "timing_s/step": time.perf_counter() - started,
-            }
-            summary.append(record)
-            print(json.dumps(record, indent=None))
-    print(f"\ndone: {args.steps} steps. The trainer (coming) replaces the scripted policy with a model.")
-    return 0
+    def both_phases() -> None:
+        if cfg.sft.total_steps and not (args.skip_sft and (sft_root / "latest").exists()):
+            say(f"== phase 1: supervised warm start, {cfg.sft.total_steps} steps")
+            run_sft(cfg, say=say, keep_process_group=True)
+        if (sft_root / "latest").exists():
+            cfg.model.megatron_checkpoint = str(sft_root)
+        say(f"== phase 2: DAPO, {cfg.trainer.total_steps} steps (rollout engine: {cfg.rollout.engine})")
+        train(cfg, say=say)
+
+    code = guarded(both_phases)
+    if code == 0 and launch.rank == 0:
+        points = _val_accuracy(Path(cfg.trainer.output_dir) / "metrics.jsonl")
+        if points:
+            (first_step, first), (last_step, last) = points[0], points[-1]
+            print(f"\nvalidation accuracy (avg@{cfg.rollout.val_n}): {first:.3f} at step {first_step} -> {last:.3f} at step {last_step}")
+        print(f"curves: {Path(cfg.trainer.output_dir) / 'plot.png'}; metrics: {Path(cfg.trainer.output_dir) / 'metrics.jsonl'}; "
+              f"total {time.perf_counter() - started:.0f} s")  # fmt: skip
+    return code

@@ -58,6 +58,9 @@ class ObjectiveSettings:
     kl_coef: float = 0.001
     kl_type: str = "low_var_kl"
     tis_cap: Optional[float] = None
+    sft: bool = False
+    """Supervised fine-tuning: the loss is the cross-entropy of the response tokens (``-log p``),
+    aggregated like the policy loss; advantages and old log-probs are not needed (`megatron-dapo sft`)."""
     horizon: Optional[int] = None
     """Constant horizon of ``seq-mean-token-sum-norm`` (the max response length); None: the batch's
     response width. Micro-batches are trimmed to their own longest response, so it is always passed."""
@@ -114,7 +117,7 @@ def micro_batch_objective(
         micro_batch: supplies the loss mask, old / reference / rollout log-probs and advantages.
     """
     mb = micro_batch
-    if mb.old_log_probs is None or mb.advantages is None:
+    if not settings.sft and (mb.old_log_probs is None or mb.advantages is None):
         raise ValueError("the update needs old_log_probs and advantages in the PolicyBatch")
     mask = mb.loss_mask
     agg = dict(
@@ -123,11 +126,17 @@ def micro_batch_objective(
         num_seqs=counts.num_seqs,
         horizon=settings.horizon or counts.response_width,
     )
-    old = mb.old_log_probs.to(log_probs.dtype)
-    advantages = mb.advantages.to(log_probs.dtype)
-    pg, policy_stats = policy_loss(
-        log_probs, old, advantages, mask, clip_low=settings.clip_low, clip_high=settings.clip_high, clip_c=settings.clip_c
-    )
+    if settings.sft:
+        # Cross-entropy; the policy statistics of a ratio of 1 only count the tokens (no clipping).
+        detached = log_probs.detach()
+        _, policy_stats = policy_loss(detached, detached, torch.zeros_like(detached), mask)
+        pg, old = -log_probs, detached
+    else:
+        old = mb.old_log_probs.to(log_probs.dtype)
+        advantages = mb.advantages.to(log_probs.dtype)
+        pg, policy_stats = policy_loss(
+            log_probs, old, advantages, mask, clip_low=settings.clip_low, clip_high=settings.clip_high, clip_c=settings.clip_c
+        )
     zero = log_probs.new_zeros(())
     tis_weight_sum, tis_capped_sum = zero, zero
     if settings.tis_cap is not None:

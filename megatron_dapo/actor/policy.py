@@ -20,6 +20,8 @@ ranks pass their own share, of any size (an empty one included). Collectives ins
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -351,23 +353,23 @@ class MegatronActor(ReferenceModel):
         return metrics
 
 
-def build_actor(cfg: Any, models: Sequence[torch.nn.Module], vocab_size: int) -> MegatronActor:
+def build_actor(cfg: Any, models: Sequence[torch.nn.Module], vocab_size: int, sft: bool = False) -> MegatronActor:
     """Wrap this rank's model chunks in Megatron DDP and build the optimizer and LR schedule.
 
     ``cfg`` is a `config.Config`; ``vocab_size`` the HF model's vocabulary (before Megatron's padding).
+    ``sft``: train with the cross-entropy of the response tokens (supervised warm start) instead of
+    the policy loss; log-probs are then of the plain softmax (temperature 1).
     """
     use_distributed_optimizer = cfg.parallel.use_distributed_optimizer
     wrapped = prepare_for_training(models, use_distributed_optimizer)
     optimizer = build_optimizer(wrapped, cfg.optimizer, use_distributed_optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.trainer.total_steps)
-    return MegatronActor(
-        wrapped,
-        optimizer,
-        scheduler,
-        ForwardSettings.from_config(cfg, vocab_size),
-        ObjectiveSettings.from_config(cfg.algorithm, horizon=cfg.rollout.max_response_length),
-        epochs=cfg.trainer.ppo_epochs,
-    )
+    settings = ForwardSettings.from_config(cfg, vocab_size)
+    objective = ObjectiveSettings.from_config(cfg.algorithm, horizon=cfg.rollout.max_response_length)
+    if sft:
+        settings = dataclasses.replace(settings, temperature=1.0)
+        objective = dataclasses.replace(objective, sft=True, entropy_coeff=0.0, use_kl_loss=False, tis_cap=None)
+    return MegatronActor(wrapped, optimizer, scheduler, settings, objective, epochs=1 if sft else cfg.trainer.ppo_epochs)
 
 
 def build_reference(cfg: Any, models: Sequence[torch.nn.Module], vocab_size: int) -> ReferenceModel:

@@ -1,0 +1,88 @@
+"""Small collectives over Python objects for the driver loop (rollout results, flags, stats).
+
+The rollout engine of each data-parallel replica lives on the replica's first rank (its
+model-parallel "leader": TP rank 0, PP rank 0, CP rank 0). What it produces - responses, rewards,
+validation scores - is small next to the model and moves as pickled objects. Every helper is a
+collective over the whole world (or the named group) so that every rank takes the same decision
+from the same values (DESIGN.md: "same decision on every rank"); each inherits the process-group
+timeout set by `init_distributed`, so a rank that never arrives fails the job instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """This rank's data-parallel replica and the number of replicas (0, 1 without Megatron state)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def is_replica_leader() -> bool:
+    """True on the first rank of this data-parallel replica's model-parallel group (TP x PP x CP)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_pipeline_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
+def is_logging_rank() -> bool:
+    """Global rank 0: the one process that prints tables, writes metrics and plots."""
+    return not _initialised() or dist.get_rank() == 0
+
+
+def gather_from_leaders(payload: Any) -> list[Any]:
+    """Every rank gets the leaders' payloads ordered by data-parallel rank (world collective).
+
+    Non-leaders pass anything (it is ignored: they send None).
+    """
+    dp_rank, dp_size = data_parallel_rank_and_size()
+    mine = (dp_rank, payload) if is_replica_leader() else None
+    if not _initialised():
+        return [payload]
+    gathered: list[Optional[tuple[int, Any]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    by_replica = {entry[0]: entry[1] for entry in gathered if entry is not None}
+    if sorted(by_replica) != list(range(dp_size)):
+        raise RuntimeError(f"expected one payload per data-parallel replica 0..{dp_size - 1}, got {sorted(by_replica)}")
+    return [by_replica[r] for r in range(dp_size)]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one (e.g. a SIGTERM seen by one process)."""
+    if not _initialised():
+        return bool(flag)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """`value` of global rank `src`, on every rank."""
+    if not _initialised():
+        return value
+    box = [value if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

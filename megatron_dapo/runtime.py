@@ -1,0 +1,135 @@
+"""Start-up shared by `train` and `sft`: pre-flight checks, process groups, tokenizer, actor.
+
+Order matters and is the point of this module: every check that can fail without a model (config
+against the world size and the model's config.json, data files, output directory) runs before
+anything heavy, on every rank, and prints the resolved parallel layout; only then are the process
+groups created and the model loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_dapo.config import Config, ConfigError, validate_model_shape
+
+_TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Runtime:
+    """What a job holds after start-up."""
+
+    cfg: Config
+    ctx: Any
+    """`distributed.DistributedContext`."""
+    tokenizer: Any
+    hf_config: Any
+    """`model.hf_config.HFModelConfig` of `cfg.model.hf_dir`."""
+    models: list
+    """This rank's Megatron model chunks (unwrapped, loaded)."""
+    output_dir: Path
+
+
+def preflight(cfg: Config, world_size: int, *, needs_data: bool = True) -> str:
+    """Every check that needs no model, before any process group exists. Returns the layout text.
+
+    Raises `ConfigError` naming the key to change.
+    """
+    from megatron_dapo.distributed.layout import ParallelLayout
+
+    hf_dir = cfg.model.hf_dir
+    if not hf_dir:
+        raise ConfigError("'model.hf_dir' is empty: point it at a HuggingFace model directory (config.json, weights, tokenizer)")
+    config_file = Path(hf_dir) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"'model.hf_dir'={hf_dir} is not an HF model directory (no config.json there)")
+    hf_json = json.loads(config_file.read_text())
+    validate_model_shape(cfg, hf_json)
+    cfg.resolve_world(world_size)
+    dp = cfg.parallel.dp
+    t = cfg.trainer
+    if t.gen_batch_size % dp:
+        raise ConfigError(
+            f"'trainer.gen_batch_size'={t.gen_batch_size} prompts cannot be split evenly over {dp} data-parallel "
+            f"replicas: use a multiple of {dp}"
+        )
+    if t.train_batch_size % dp:
+        raise ConfigError(f"'trainer.train_batch_size'={t.train_batch_size} is not divisible by {dp} data-parallel replicas")
+    if cfg.model.megatron_checkpoint and not Path(cfg.model.megatron_checkpoint).exists():
+        raise ConfigError(f"'model.megatron_checkpoint'={cfg.model.megatron_checkpoint} does not exist")
+    if needs_data:
+        if not cfg.data.train_files:
+            raise ConfigError("'data.train_files' is empty: give parquet or jsonl files in the verl/DAPO schema")
+        for key in ("train_files", "val_files"):
+            for path in getattr(cfg.data, key):
+                if not Path(path).is_file():
+                    raise ConfigError(f"'data.{key}' names {path}, which does not exist")
+    layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.cp, world_size)
+    return layout.describe(int(hf_json.get("num_hidden_layers", 0)) or None)
+
+
+def launch_world_size() -> int:
+    """The number of processes this job was launched with (torchrun, srun or a single process)."""
+    from megatron_dapo.distributed.setup import resolve_launch_env
+
+    return resolve_launch_env(os.environ, free_port=0).world_size
+
+
+def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
+    """Pre-flight, then process groups, tokenizer and the loaded model chunks."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.distributed.objects import is_logging_rank
+    from megatron_dapo.distributed.setup import init_distributed
+    from megatron_dapo.model.builder import build_gpt_models
+    from megatron_dapo.model.hf_config import read_hf_config
+    from megatron_dapo.model.load import load_hf_into_megatron
+
+    world_size = launch_world_size()
+    layout_text = preflight(cfg, world_size, needs_data=needs_data)
+    ctx = init_distributed(cfg.parallel, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed)
+    if is_logging_rank():
+        say(f"[megatron-dapo] {world_size} process(es), backend {ctx.backend}, device {ctx.device.type}\n{layout_text}")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    if tokenizer.pad_token_id is None:  # Llama-style tokenizers: pad with EOS (padding never enters a loss)
+        tokenizer.pad_token = tokenizer.eos_token
+    hf_config = read_hf_config(cfg.model.hf_dir)
+    models = build_gpt_models(
+        hf_config,
+        ctx.layout,
+        getattr(torch, cfg.model.dtype),
+        transformer_engine=cfg.model.transformer_engine,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        init_weights=False,
+        recompute_activations=cfg.model.recompute_activations,
+    )
+    if cfg.model.megatron_checkpoint:
+        from megatron_dapo.checkpoint import load_checkpoint
+
+        load_checkpoint(cfg.model.megatron_checkpoint, models, load_optimizer=False, load_scheduler=False, load_rng=False)
+    else:
+        load_hf_into_megatron(models, cfg.model.hf_dir, hf_config)
+    output_dir = Path(cfg.trainer.output_dir)
+    if is_logging_rank():
+        output_dir.mkdir(parents=True, exist_ok=True)
+    return Runtime(cfg=cfg, ctx=ctx, tokenizer=tokenizer, hf_config=hf_config, models=models, output_dir=output_dir)
+
+
+def write_resolved_config(cfg: Config, output_dir: Path) -> Optional[Path]:
+    """`output_dir/config.yaml`: the configuration this run resolved (rank 0)."""
+    from omegaconf import OmegaConf
+
+    from megatron_dapo.checkpoint.layout import atomic_write_text
+    from megatron_dapo.config import config_to_dict
+    from megatron_dapo.distributed.objects import is_logging_rank
+
+    if not is_logging_rank():
+        return None
+    path = output_dir / "config.yaml"
+    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg))))
+    return path

@@ -1,0 +1,119 @@
+# Shared launch logic of the slurm/*.sbatch scripts. Sourced inside a batch job, never executed.
+#
+#   source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/common.sh"
+#   dapo_setup                                   # repo dir, venv, rendezvous and thread environment
+#   dapo_train configs/x.yaml "$@"               # check the config, then srun one trainer per task
+#   dapo_train_command configs/x.yaml "$@"       # only build DAPO_TRAIN_CMD (checks included)
+#   dapo_srun python my_script.py                # or any other program, one copy per task
+#
+# Rendezvous: every task runs the same `megatron-dapo train`; init_distributed() reads its rank
+# from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and meets the others at MASTER_ADDR:MASTER_PORT,
+# exported here as the first host of the allocation and a port derived from the job id (the same
+# formula as megatron_dapo.distributed.setup.slurm_master_port, so a task that lost the variable
+# would still agree). Export MASTER_PORT before sbatch to choose it yourself.
+#
+# Resuming: `--resume` is passed to the trainer when given on the sbatch command line, and also
+# automatically when SLURM restarts a requeued job (SLURM_RESTART_COUNT > 0: preemption, node
+# failure, `scontrol requeue`) and a checkpoint exists under trainer.output_dir.
+
+# Where the repository is: the batch script itself runs from a copy in slurmd's spool directory,
+# so its own path says nothing; sbatch is run from the repository root (or REPO_DIR is exported).
+DAPO_REPO_DIR="${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+
+dapo_log() {
+    echo "[megatron-dapo $(date +%H:%M:%S)] $*"
+}
+
+dapo_die() {
+    echo "[megatron-dapo] error: $*" >&2
+    exit 1
+}
+
+# Enter the repository, activate its virtualenv and export the rendezvous and thread settings.
+dapo_setup() {
+    [ -n "${SLURM_JOB_ID:-}" ] || dapo_die "not inside a SLURM job: submit with sbatch (see slurm/README.md)"
+    [ -f "$DAPO_REPO_DIR/megatron_dapo/__init__.py" ] \
+        || dapo_die "$DAPO_REPO_DIR is not the megatron-dapo repository:" \
+                    "run sbatch from the repository root or export REPO_DIR"
+    cd "$DAPO_REPO_DIR" || dapo_die "cannot cd to $DAPO_REPO_DIR"
+
+    local venv="${VENV:-.venv}"
+    if [ -f "$venv/bin/activate" ]; then
+        # shellcheck disable=SC1091
+        source "$venv/bin/activate"
+    fi
+    command -v python >/dev/null || dapo_die "no python on PATH (create $venv or export VENV=...)"
+
+    # Variables of a surrounding torchrun (or of the submitting shell, which sbatch exports) would
+    # win over SLURM's in resolve_launch_env and give every task the same rank: drop them.
+    unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK
+
+    MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    [ -n "$MASTER_ADDR" ] || dapo_die "could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+    export MASTER_ADDR
+    export MASTER_PORT="${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 20000))}"
+
+    # Threads per task: the CPUs SLURM gave it (many tasks share a node; oversubscription is slow).
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+    export PYTHONUNBUFFERED=1
+    export PYTHONPATH="$DAPO_REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
+
+    dapo_log "job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on ${SLURM_JOB_NUM_NODES:-?} node(s) ($SLURM_JOB_NODELIST)," \
+        "rendezvous $MASTER_ADDR:$MASTER_PORT, restart ${SLURM_RESTART_COUNT:-0}, repo $DAPO_REPO_DIR"
+}
+
+# Run a program once per task of the allocation.
+# --kill-on-bad-exit: one failing rank ends the step at once instead of leaving the others blocked
+# in a collective until the timeout. CPUs per task are passed explicitly because srun 22.05+ no
+# longer reads SLURM_CPUS_PER_TASK from the batch environment.
+dapo_srun() {
+    local opts=(--kill-on-bad-exit=1)
+    [ -n "${SLURM_CPUS_PER_TASK:-}" ] && opts+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
+    # shellcheck disable=SC2086  # SRUN_EXTRA_ARGS is a list of options on purpose
+    srun "${opts[@]}" ${SRUN_EXTRA_ARGS:-} "$@"
+}
+
+# dapo_train_command DEFAULT_CONFIG [--config FILE] [--resume] [key=value ...] [other trainer flags]
+# Sets DAPO_TRAIN_CMD (an array) to the trainer command line, after the checks, without running it.
+# The config is --config if given, else $CONFIG, else DEFAULT_CONFIG. The batch shell checks the
+# config and its parallel layout against the number of tasks first (a typo fails here in a second,
+# not after the queue and the model load).
+dapo_train_command() {
+    local config="${CONFIG:-$1}"
+    shift
+    local train_args=() overrides=() resume=0
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --config) [ $# -ge 2 ] || dapo_die "--config needs a file"; config="$2"; shift 2; continue ;;
+            --config=*) config="${1#--config=}" ;;
+            --resume) resume=1 ;;
+            -*) train_args+=("$1") ;;
+            *=*) overrides+=("$1"); train_args+=("$1") ;;
+            *) train_args+=("$1") ;;
+        esac
+        shift
+    done
+    [ -f "$config" ] || dapo_die "config file '$config' not found (relative to $PWD)"
+
+    local resolved output_dir
+    resolved="$(python -m megatron_dapo.cli config "$config" "${overrides[@]}" --world-size "${SLURM_NTASKS:-1}")" \
+        || dapo_die "configuration check failed (see above)"
+    output_dir="$(printf '%s' "$resolved" \
+        | python -c 'import json, sys; print(json.load(sys.stdin)["trainer"]["output_dir"])')"
+
+    if [ "$resume" = 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -e "$output_dir/checkpoints/latest" ]; then
+        dapo_log "restart ${SLURM_RESTART_COUNT} of a requeued job:" \
+            "resuming from $output_dir/checkpoints/$(cat "$output_dir/checkpoints/latest")"
+        resume=1
+    fi
+    DAPO_TRAIN_CMD=(python -m megatron_dapo.cli train --config "$config")
+    [ "$resume" = 1 ] && DAPO_TRAIN_CMD+=(--resume)
+    DAPO_TRAIN_CMD+=("${train_args[@]}")
+    dapo_log "${DAPO_TRAIN_CMD[*]:3} -> $output_dir"
+}
+
+# dapo_train DEFAULT_CONFIG [args...]: dapo_train_command, then one trainer per task.
+dapo_train() {
+    dapo_train_command "$@"
+    dapo_srun "${DAPO_TRAIN_CMD[@]}"
+}

@@ -1,0 +1,190 @@
+"""Tests for writing verl/DAPO prompt datasets (megatron_dapo/data/prepare.py, tools/prepare_data.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.data.arithmetic import (
+    DAPO_INSTRUCTION_PREFIX,
+    DAPO_INSTRUCTION_SUFFIX,
+    build_tokenizer,
+    make_problems,
+    to_dapo_record,
+)
+from megatron_dapo.data.dataset import DatasetError, PromptDataset
+from megatron_dapo.data.prepare import (
+    add_arguments,
+    make_record,
+    prepare,
+    read_records,
+    write_arithmetic_dataset,
+    write_records,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("prepare_data_script", REPO_ROOT / "tools" / "prepare_data.py")
+prepare_data = importlib.util.module_from_spec(_spec)  # tools/prepare_data.py, the plain script
+_spec.loader.exec_module(prepare_data)
+
+QUESTIONS = [
+    {"question": "What is the smallest prime?", "answer": "2"},
+    {"question": "How many sides has a hexagon?", "answer": 6, "source": "ignored"},
+    {"question": "Compute 3^3.", "answer": "27"},
+    {"question": "What is 10 / 4?", "answer": "\\frac{5}{2}"},
+    {"question": "What is 9 - 10?", "answer": "-1"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture()
+def questions_file(tmp_path) -> Path:
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+def test_make_record_is_the_dapo_schema():
+    record = make_record("What is 1 + 2?", "3", index=4, split="train", data_source="math_dapo")
+    assert record == {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": DAPO_INSTRUCTION_PREFIX + "What is 1 + 2?" + DAPO_INSTRUCTION_SUFFIX}],
+        "ability": "MATH",
+        "reward_model": {"style": "rule", "ground_truth": "3"},
+        "extra_info": {"index": 4, "split": "train", "question": "What is 1 + 2?", "answer": "3"},
+    }
+    assert record["prompt"][0]["content"].startswith("Solve the following math problem step by step.")
+    problem = make_problems(1, seed=0)[0]  # the arithmetic task's records follow the same schema
+    assert make_record(problem.question, problem.answer, index=0, split="val", data_source="synthetic/arithmetic") == (
+        to_dapo_record(problem, index=0, split="val")
+    )
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_write_then_read_round_trip_atomically(tmp_path, suffix):
+    records = [make_record(q["question"], str(q["answer"]), index=i, split="train") for i, q in enumerate(QUESTIONS)]
+    path = write_records(records, tmp_path / "sub" / f"train{suffix}")
+    assert path == tmp_path / "sub" / f"train{suffix}"
+    assert read_records(path) == records
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file left behind"
+    write_records(records[:2], path)  # overwriting replaces the whole file
+    assert read_records(path) == records[:2]
+
+
+def test_write_refuses_bad_suffix_and_empty(tmp_path):
+    with pytest.raises(DatasetError, match=r"use \.parquet or \.jsonl"):
+        write_records([{"a": 1}], tmp_path / "x.csv")
+    with pytest.raises(DatasetError, match="empty"):
+        write_records([], tmp_path / "x.jsonl")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_round_trip_into_the_dataset(questions_file, tmp_path, tokenizer, capsys):
+    output = tmp_path / "train.parquet"
+    assert prepare_data.main(["--input", str(questions_file), "--output", str(output), "--data-source", "my/math"]) == 0
+    assert f"wrote 5 records to {output}" in capsys.readouterr().out
+    dataset = PromptDataset.load([output], tokenizer, max_prompt_length=512)
+    assert [e.ground_truth for e in dataset] == ["2", "6", "27", "\\frac{5}{2}", "-1"]
+    for example, question in zip(dataset, QUESTIONS):
+        decoded = tokenizer.decode(example.prompt_ids)
+        assert decoded == (
+            "<|im_start|>user\n" + DAPO_INSTRUCTION_PREFIX + question["question"] + DAPO_INSTRUCTION_SUFFIX
+            + "<|im_end|>\n<|im_start|>assistant\n"
+        )  # fmt: skip
+        assert example.data_source == "my/math"
+        assert example.extra_info["split"] == "train"
+
+
+def test_cli_holds_out_a_validation_set(questions_file, tmp_path):
+    def split(seed: int):
+        train, val = tmp_path / f"train{seed}.jsonl", tmp_path / f"val{seed}.parquet"
+        argv = ["--input", str(questions_file), "--output", str(train), "--val-output", str(val), "--val-size", "2",
+                "--seed", str(seed)]  # fmt: skip
+        assert prepare_data.main(argv) == 0
+        return read_records(train), read_records(val)
+
+    train, val = split(seed=3)
+    assert (len(train), len(val)) == (3, 2)
+    train_index = [r["extra_info"]["index"] for r in train]
+    val_index = [r["extra_info"]["index"] for r in val]
+    assert sorted(train_index + val_index) == list(range(5)) and train_index == sorted(train_index)
+    assert {r["extra_info"]["split"] for r in train} == {"train"} and {r["extra_info"]["split"] for r in val} == {"test"}
+    for record in train + val:  # each record still carries its own question's answer
+        assert record["reward_model"]["ground_truth"] == str(QUESTIONS[record["extra_info"]["index"]]["answer"])
+    assert split(seed=3) == (train, val), "the hold-out is deterministic"
+    assert any(split(seed=s)[1] != val for s in range(4, 10)), "and depends on the seed"
+
+
+@pytest.mark.parametrize(
+    "lines, extra_args, expected",
+    [
+        (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": '], [], r"line 2: invalid JSON"),
+        (['{"question": "a", "answer": "1"}', "", '{"question": "b"}'], [], r"line 3: missing 'answer'"),
+        (['{"question": "", "answer": "1"}'], [], r"line 1: 'question' is empty"),
+        (['{"question": "a", "answer": [1]}'], [], r"line 1: 'answer' must be a string"),
+        (["[1, 2]"], [], r"line 1: expected a JSON object"),
+        ([""], [], r"no questions in the input"),
+        (['{"question": "a", "answer": "1"}'], ["--val-size", "1"], r"--val-output and --val-size go together"),
+        (['{"question": "a", "answer": "1"}'] * 3, ["--val-output", "v.jsonl", "--val-size", "3"], r"--val-size must be between 1 and 2"),
+    ],
+)
+def test_cli_errors_name_the_problem(tmp_path, capsys, monkeypatch, lines, extra_args, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    assert prepare_data.main(["--input", "in.jsonl", "--output", "out.parquet", *extra_args]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(DatasetError, match=expected):
+        prepare(parser.parse_args(["--input", "in.jsonl", "--output", "out.parquet", *extra_args]))
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_cli_missing_input_and_bad_output(tmp_path, capsys):
+    assert prepare_data.main(["--input", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "o.parquet")]) == 2
+    assert "none.jsonl: input file not found" in capsys.readouterr().err
+    (tmp_path / "q.jsonl").write_text('{"question": "a", "answer": "1"}\n')
+    assert prepare_data.main(["--input", str(tmp_path / "q.jsonl"), "--output", str(tmp_path / "o.txt")]) == 2
+    assert "must end in .parquet or .jsonl" in capsys.readouterr().err
+
+
+def test_script_help_explains_the_schema():
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "prepare_data.py"), "--help"], capture_output=True, text=True, cwd="/"
+    )
+    assert result.returncode == 0, result.stderr
+    for needle in ("reward_model", "ground_truth", "data_source", "extra_info", "--val-size", "Answer: $Answer"):
+        assert needle in result.stdout
+
+
+def test_arithmetic_dataset_holds_out_distinct_validation_questions(tmp_path, tokenizer):
+    train_path, val_path = write_arithmetic_dataset(tmp_path / "demo", num_train=300, num_val=40, seed=5, max_operand=12)
+    assert (train_path.name, val_path.name) == ("train.parquet", "val.parquet")
+    train, val = read_records(train_path), read_records(val_path)
+    assert (len(train), len(val)) == (300, 40)
+    train_questions = {r["extra_info"]["question"] for r in train}
+    val_questions = [r["extra_info"]["question"] for r in val]
+    assert len(set(val_questions)) == 40 and not train_questions & set(val_questions)
+    for record in train + val:  # the ground truth is the arithmetic itself, checked independently
+        a, op, b = record["extra_info"]["question"].removeprefix("What is ").removesuffix("?").split()
+        assert record["reward_model"]["ground_truth"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert 0 <= int(a) <= 12 and 0 <= int(b) <= 12
+    again = write_arithmetic_dataset(tmp_path / "again", num_train=300, num_val=40, seed=5, max_operand=12)
+    assert read_records(again[0]) == train and read_records(again[1]) == val
+    assert len(PromptDataset.load([train_path], tokenizer, max_prompt_length=256)) == 300
+
+
+def test_arithmetic_dataset_too_small_universe():
+    # max_operand=1: 4 sums and 3 differences -> 7 distinct questions.
+    with pytest.raises(ValueError, match="only 7 distinct problems"):
+        write_arithmetic_dataset("/nonexistent", num_train=5, num_val=7, seed=0, max_operand=1)
