@@ -15,11 +15,12 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
         "megatron_dapo.demo",
-        "the main job on the embedded CPU default (today: the DAPO algorithm walk-through, see README)",
+        "the main job on a CPU: a tiny model learns arithmetic (workspace, SFT warm start, then DAPO)",
     ),
     "train": ("megatron_dapo.train_cli", "DAPO training (every rank; torchrun / srun / one process), --resume to continue"),
     "sft": ("megatron_dapo.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
     "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
+    "plan": ("megatron_dapo.memory_plan", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
     "config": ("megatron_dapo.config_cli", "print the resolved configuration of a YAML file + overrides, or its error"),
     "convert": ("megatron_dapo.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
     "check-sync": ("megatron_dapo.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),

@@ -43,6 +43,7 @@ class DAPOTrainer:
         from megatron_dapo.data.dataset import datasets_from_config
         from megatron_dapo.data.sampler import PromptSampler
         from megatron_dapo.distributed.objects import data_parallel_rank_and_size, is_logging_rank
+        from megatron_dapo.reward.loader import load_reward_function
         from megatron_dapo.reward.manager import RewardManager
         from megatron_dapo.rollout.group import RolloutGroup
 
@@ -64,7 +65,7 @@ class DAPOTrainer:
         a, r = cfg.algorithm, cfg.rollout
         self.reward = RewardManager(
             self.tokenizer,
-            score_fn=cfg.reward.custom_function.path,
+            score_fn=load_reward_function(cfg.reward.custom_function.path, cfg.reward.custom_function.name),
             num_workers=cfg.reward.num_workers or _auto_reward_workers(),
             timeout_s=cfg.reward.timeout_s,
             overlong_enable=a.overlong_buffer.enable,

@@ -216,7 +216,10 @@ def test_demo_cpu_sbatch_trains_and_checkpoints(slurm_cluster, tmp_path):
     """The real demo script, 2 tasks (TP=2 over gloo), 2 short steps."""
     output_dir = tmp_path / "demo"
     overrides = [
+        f"--workspace={tmp_path / 'workspace'}",
         "parallel.tp=2",
+        "sft.total_steps=2",
+        "sft.batch_size=8",
         f"trainer.output_dir={output_dir}",
         "trainer.total_steps=2",
         "trainer.save_every=2",

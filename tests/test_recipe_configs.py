@@ -1,0 +1,116 @@
+"""The Qwen2.5-7B and Qwen2.5-32B DAPO recipes: they load, fit the world they are written for,
+carry the paper's settings, and fit 80 GB GPUs by the memory planner (whose figures their comments quote)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo import memory_plan as mp
+from megatron_dapo.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+# recipe file -> (built-in model, nodes of 8 GPUs it is laid out for: slurm/dapo_qwen2.5_*.sbatch)
+RECIPES = {
+    "dapo_qwen2.5_7b.yaml": ("qwen2.5-7b", 2),
+    "dapo_qwen2.5_32b.yaml": ("qwen2.5-32b", 4),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_model_dir(monkeypatch):
+    monkeypatch.delenv("MODEL_DIR", raising=False)
+    monkeypatch.delenv("DATA_DIR", raising=False)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_has_the_paper_settings(name):
+    cfg = load_config(CONFIGS / name)
+    a, r, o, t = cfg.algorithm, cfg.rollout, cfg.optimizer, cfg.trainer
+    assert o.lr == 1e-6
+    assert o.warmup_steps == 20  # the paper's linear warm-up (rollout steps); verl's public recipe: 10
+    assert o.weight_decay == 0.1
+    assert (a.clip_low, a.clip_high) == (0.2, 0.28)
+    assert t.train_batch_size == 512 and r.n == 16
+    assert t.gen_batch_size == 3 * t.train_batch_size
+    assert r.max_response_length == 20480
+    assert a.overlong_buffer.enable and a.overlong_buffer.len == 4096 and a.overlong_buffer.penalty_factor == 1.0
+    assert t.ppo_mini_batch_size == 32
+    assert r.temperature == 1.0 and r.top_p == 1.0 and r.top_k == -1
+    assert a.loss_agg_mode == "token-mean"
+    assert not a.kl.use_kl_loss
+    assert a.filter_groups.enable and a.filter_groups.metric == "acc"
+    assert r.max_prompt_length == 2048
+    assert a.entropy_coeff == 0.0 and o.grad_clip == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_model_dir_is_a_placeholder_to_override(name, monkeypatch, tmp_path):
+    model_name, _ = RECIPES[name]
+    cfg = load_config(CONFIGS / name)
+    assert cfg.model.hf_dir.startswith("/path/to/")  # nothing there: the run must be pointed at a model
+    assert cfg.data.train_files == ["data/dapo-math-17k.parquet"]
+
+    # With MODEL_DIR set, the model's config.json is read and the layout checked against its shape.
+    model_dir = tmp_path / model_name
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(mp.KNOWN_MODELS[model_name]))
+    monkeypatch.setenv("MODEL_DIR", str(model_dir))
+    monkeypatch.setenv("DATA_DIR", "/data/dapo")
+    cfg = load_config(CONFIGS / name)
+    assert cfg.model.hf_dir == str(model_dir)
+    assert cfg.data.val_files == ["/data/dapo/aime-2024.parquet"]
+    # ... so a layout the model cannot take fails at load time.
+    with pytest.raises(ConfigError, match="does not divide the model's num_attention_heads"):
+        load_config(CONFIGS / name, ["parallel.tp=3"])
+    # An explicit override wins over the environment.
+    assert load_config(CONFIGS / name, ["model.hf_dir=/models/x"]).model.hf_dir == "/models/x"
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_fits_its_world(name):
+    _, nodes = RECIPES[name]
+    cfg = load_config(CONFIGS / name).resolve_world(nodes * 8)
+    p = cfg.parallel
+    assert p.tp <= 8  # tensor parallelism stays inside one 8-GPU NVLink node
+    assert p.dp == nodes * 8 // (p.tp * p.pp * p.cp)
+    assert p.sequence_parallel and p.use_distributed_optimizer
+    assert cfg.trainer.max_tokens_per_micro_batch >= cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
+    with pytest.raises(ConfigError):
+        load_config(CONFIGS / name).resolve_world(nodes * 8 + 4)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_fits_80gb_gpus_and_quotes_the_planner(name):
+    model_name, nodes = RECIPES[name]
+    cfg = load_config(CONFIGS / name)
+    plan = mp.plan_memory(cfg, mp.known_model(model_name), mp.ClusterShape(nodes=nodes), model_name=model_name)
+    assert plan.fits, mp.format_plan(plan)
+    assert cfg.trainer.max_tokens_per_micro_batch <= plan.max_tokens_per_micro_batch
+    assert cfg.rollout.gpu_memory_utilization <= plan.rollout.max_gpu_memory_utilization
+    assert plan.rollout.concurrent_full_sequences >= 8
+    # Headroom beyond the planner's own reserve: 2 GiB while generating, 10 GiB while training.
+    assert plan.gpu_memory - plan.rollout.phase_total >= 2 * mp.GIB
+    assert plan.gpu_memory - max(s.training_total for s in plan.stages) >= 10 * mp.GIB
+
+    # The planner figures quoted in the recipe's comments are the planner's current output.
+    text = (CONFIGS / name).read_text()
+    table = mp.format_plan(plan)
+    quoted = re.search(r"largest trainer\.max_tokens_per_micro_batch: (\d+)", text)
+    assert quoted and f"largest trainer.max_tokens_per_micro_batch: {quoted.group(1)} " in table
+    stage = plan.stages[plan.binding_stage]
+    d, n = stage.actor_distributed_optimizer, stage.actor_plain_optimizer
+    expected_lines = [
+        f"{d.total / mp.GIB:.2f} GiB / {n.total / mp.GIB:.2f} GiB",
+        f"KV pool {plan.rollout.kv_cache / mp.GIB:.2f} GiB ({plan.rollout.concurrent_full_sequences} full-length",
+        f"{stage.activation_per_token_no_recompute / 1024:.1f} KiB (no recompute), "
+        f"{stage.activation_per_token_full_recompute / 1024:.1f} KiB (full recompute)",
+        f"{plan.rollout.phase_total / mp.GIB:.2f} GiB   fits",
+        f"{max(s.training_total for s in plan.stages) / mp.GIB:.2f} GiB   fits",
+    ]
+    for line in expected_lines:
+        assert line in text, line

@@ -1,0 +1,77 @@
+"""Fixtures of the trainer tests: the demo workspace (tiny model, tokenizer, data) built once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny_cpu.yaml"
+PARITY_REWARD = Path(__file__).with_name("parity_reward.py")
+
+# Small, fixed-size steps (a few seconds each on 2 cores).
+FAST = [
+    "rollout.n=4",
+    "rollout.max_response_length=16",
+    "algorithm.overlong_buffer.len=4",
+    "trainer.gen_batch_size=8",
+    "trainer.train_batch_size=4",
+    "trainer.ppo_mini_batch_size=2",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_every=0",
+    "trainer.val_before_train=false",
+    "trainer.save_every=0",
+    "trainer.loggers=[console,jsonl]",
+    "reward.num_workers=1",
+    f"reward.custom_function.path={PARITY_REWARD}:compute_score",
+]
+
+
+@pytest.fixture(scope="session")
+def demo_workspace(tmp_path_factory) -> dict[str, Path]:
+    from megatron_dapo.demo import prepare_workspace
+
+    return prepare_workspace(tmp_path_factory.mktemp("demo-workspace"), seed=7, num_train=200, num_val=8)
+
+
+def workspace_overrides(paths: dict[str, Path], output_dir: Path) -> list[str]:
+    return [
+        f"model.hf_dir={paths['model']}",
+        f"data.train_files=[{paths['train']}]",
+        f"data.val_files=[{paths['val']}]",
+        f"trainer.output_dir={output_dir}",
+    ]
+
+
+def cli(*args: str, nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_dapo.cli", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+            "-m", "megatron_dapo.cli", *args]  # fmt: skip
+
+
+def run_cli(*args: str, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
+    return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(output_dir: Path) -> dict[int, dict]:
+    by_step: dict[int, dict] = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step.setdefault(record["step"], {}).update(record)
+    return by_step
+
+
+NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/")
+
+
+def deterministic(metrics: dict) -> dict:
+    """The metrics that must repeat exactly (not wall-clock ones)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(NONDETERMINISTIC)}
