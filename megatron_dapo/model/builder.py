@@ -215,12 +215,25 @@ def build_transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(cfg: HFModelConfig, use_te: bool):
+def _layer_spec(cfg: HFModelConfig, use_te: bool, attention: Literal["sdpa", "megatron"] = "sdpa"):
+    """The layer spec: TE's, or the local one with `attention` as core attention.
+
+    "sdpa" (default): `sdpa_attention.SDPADotProductAttention`, PyTorch's fused attention kernels;
+    "megatron": Megatron's unfused `DotProductAttention` (materialises the [b, heads, s, s] scores;
+    kept as the reference). With TE, TE's own fused attention is used whatever `attention` says.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if attention not in ("sdpa", "megatron"):
+        raise ValueError(f"attention must be 'sdpa' or 'megatron', got {attention!r}")
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    if attention == "sdpa":
+        from megatron_dapo.model.sdpa_attention import with_sdpa_core_attention
+
+        spec = with_sdpa_core_attention(spec)
+    return spec
 
 
 def build_gpt_models(
@@ -232,11 +245,13 @@ def build_gpt_models(
     sequence_parallel: bool = False,
     init_weights: bool = True,
     recompute_activations: bool = False,
+    attention: Literal["sdpa", "megatron"] = "sdpa",
 ) -> list[torch.nn.Module]:
     """This rank's `GPTModel` chunks (one per virtual-pipeline stage, in order).
 
     `layout` must match Megatron's initialised parallel state. `init_weights=False` skips the
-    random initialisation (for models about to be loaded from a checkpoint).
+    random initialisation (for models about to be loaded from a checkpoint). `attention` picks the
+    local spec's core attention: "sdpa" (PyTorch's fused kernels) or "megatron" (Megatron's own).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -254,7 +269,7 @@ def build_gpt_models(
         init_weights=init_weights,
         recompute_activations=recompute_activations,
     )
-    spec = _layer_spec(cfg, use_te)
+    spec = _layer_spec(cfg, use_te, attention)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = layout.megatron_vpp
     inv_freq = rope_inv_freq(cfg)

@@ -51,11 +51,13 @@ def workspace_overrides(paths: dict[str, Path], output_dir: Path) -> list[str]:
 def cli(*args: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_dapo.cli", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
-            "-m", "megatron_dapo.cli", *args]  # fmt: skip
+    from megatron_dapo.distributed.setup import find_free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(find_free_port()), "-m", "megatron_dapo.cli", *args]  # fmt: skip
 
 
-def run_cli(*args: str, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(*args: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
     return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
