@@ -38,11 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny_cpu.yaml)")
     parser.add_argument("--workspace", default="outputs/demo", help="model, data and runs go here (default outputs/demo)")
+    parser.add_argument("--max-operand", type=int, default=50, help="problems a +- b with 0 <= a, b <= this (default 50)")
     parser.add_argument("--skip-sft", action="store_true", help="reuse the workspace's SFT checkpoint when there is one")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2")
 
 
-def prepare_workspace(root: Path, seed: int, num_train: int = 4000, num_val: int = 64, max_operand: int = 20) -> dict[str, Path]:
+def prepare_workspace(root: Path, seed: int, num_train: int = 8000, num_val: int = 128, max_operand: int = 50) -> dict[str, Path]:
     """Create the demo's model, tokenizer and data under `root` (idempotent; deterministic in `seed`)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -53,7 +54,8 @@ def prepare_workspace(root: Path, seed: int, num_train: int = 4000, num_val: int
     paths = {"model": root / "model", "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
              "sft": root / "data" / "sft.jsonl"}  # fmt: skip
     ready = root / ".ready"
-    if ready.exists():
+    recipe = {"seed": seed, "model": DEMO_MODEL, "num_train": num_train, "num_val": num_val, "max_operand": max_operand}
+    if ready.exists() and json.loads(ready.read_text()) == recipe:
         return paths
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -71,7 +73,7 @@ def prepare_workspace(root: Path, seed: int, num_train: int = 4000, num_val: int
         problem = ArithmeticProblem(record["extra_info"]["question"], record["reward_model"]["ground_truth"], int(a), int(b), op)
         sft_records.append({**record, "response": worked_solution(problem)})
     write_records(sft_records, paths["sft"])
-    ready.write_text(json.dumps({"seed": seed, "model": DEMO_MODEL}))
+    ready.write_text(json.dumps(recipe))
     return paths
 
 
@@ -105,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
     launch = resolve_launch_env(os.environ, free_port=0)
     started = time.perf_counter()
     if launch.rank == 0:
-        paths = prepare_workspace(root, seed=7)
+        paths = prepare_workspace(root, seed=7, max_operand=args.max_operand)
     else:
         _wait_for(root / ".ready")
-        paths = prepare_workspace(root, seed=7)
+        paths = prepare_workspace(root, seed=7, max_operand=args.max_operand)
     overrides = [
         f"model.hf_dir={paths['model']}",
         f"data.train_files=[{paths['train']}]",

@@ -29,13 +29,15 @@ def test_config_command_prints_resolved_config_or_error():
     assert "Did you mean 'rollout.n'" in bad.stderr
 
 
-def test_demo_runs_the_algorithm_core():
-    out = run_cli("demo", "--steps", "2")
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["step"] for r in records] == [1, 2]
-    for record in records:
-        # Dynamic sampling filled exactly train_batch_size x n sequences from informative groups.
-        assert record["train/num_sequences"] == 8 * 8
-        assert record["num_groups_kept"] >= 8
-    assert "SCRIPTED" in out.stdout
+def test_demo_runs_sft_then_dapo(tmp_path):
+    """The main job, shortened: workspace, 3 SFT steps, 2 DAPO steps with validation before and after."""
+    out = run_cli("demo", "--workspace", str(tmp_path / "ws"), "sft.total_steps=3", "sft.batch_size=16",
+                  "trainer.total_steps=2", "trainer.eval_every=2", "rollout.val_n=2", "trainer.loggers=[console,jsonl]",
+                  "algorithm.filter_groups.enable=false", "trainer.gen_batch_size=8", "trainer.train_batch_size=8")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "validation accuracy (avg@2):" in out.stdout
+    dapo = tmp_path / "ws" / "dapo"
+    steps = [json.loads(line)["step"] for line in (dapo / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    assert (dapo / "plot.png").stat().st_size > 10_000
+    assert (tmp_path / "ws" / "sft" / "checkpoints" / "latest").exists()

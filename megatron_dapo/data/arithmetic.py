@@ -65,8 +65,26 @@ def make_problems(num: int, seed: int, max_operand: int = 50, ops: str = "+-") -
 
 
 def worked_solution(problem: ArithmeticProblem) -> str:
-    """A short step-by-step response ending in the DAPO answer line (the supervised warm start's target)."""
-    return f"{problem.a} {problem.op} {problem.b} = {problem.answer}\nAnswer: {problem.answer}"
+    """A step-by-step response ending in the DAPO answer line (the supervised warm start's target).
+
+    Column arithmetic, units first: each line is a one-digit fact (with the carry or borrow), then
+    the result is assembled. A tiny model can learn that procedure and apply it to problems it has
+    never seen, so held-out validation measures the procedure, not recall; sampling slips in the
+    steps are what DAPO then trains away. Operands up to 99.
+    """
+    a, b, op = problem.a, problem.b, problem.op
+    (a_tens, a_units), (b_tens, b_units) = divmod(a, 10), divmod(b, 10)
+    if op == "+":
+        units = a_units + b_units
+        carry = units // 10
+        steps = [f"{a_units} + {b_units} = {units}", f"{a_tens} + {b_tens} + {carry} = {a_tens + b_tens + carry}"]
+    else:
+        borrow = int(a_units < b_units)
+        steps = [
+            f"{a_units + 10 * borrow} - {b_units} = {a_units + 10 * borrow - b_units}",
+            f"{a_tens} - {b_tens} - {borrow} = {a_tens - b_tens - borrow}",
+        ]
+    return "\n".join(steps + [f"{a} {op} {b} = {problem.answer}", f"Answer: {problem.answer}"])
 
 
 def to_dapo_record(problem: ArithmeticProblem, index: int, split: str) -> dict:

@@ -316,8 +316,9 @@ def place_parameters(model: torch.nn.Module, dtype: torch.dtype) -> int:
     moved = 0
     for param in model.parameters():
         target_dtype = dtype if param.is_floating_point() else param.dtype
-        if param.device != device or param.dtype != target_dtype:
-            param.data = param.data.to(device=device, dtype=target_dtype)
+        target_device = param.device if param.is_meta else device  # meta: shape-only models (conversion)
+        if param.device != target_device or param.dtype != target_dtype:
+            param.data = param.data.to(device=target_device, dtype=target_dtype)
             moved += 1
     return moved
 
