@@ -30,15 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def guarded(fn) -> int:
-    """Configuration and data errors: one clear line and exit code 2, not a traceback."""
+    """Configuration and data errors: one clear line and exit code 2 (1 when dynamic sampling runs
+    dry), not a traceback."""
     from megatron_dapo.config import ConfigError
     from megatron_dapo.data.dataset import DatasetError
+
+    from megatron_dapo.algorithm.sampling import DynamicSamplingExhausted
 
     try:
         fn()
     except (ConfigError, DatasetError, FileNotFoundError) as error:
         print(f"megatron-dapo: error: {error}", file=sys.stderr)
         return 2
+    except DynamicSamplingExhausted as error:  # the data, not the program: say what to change
+        print(f"megatron-dapo: stopped: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

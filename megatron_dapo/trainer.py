@@ -147,10 +147,10 @@ class DAPOTrainer:
         self.rollout.sleep()
         # 3. Old-policy (and reference) log-probs of the responses.
         with timer.phase("old_log_prob"):
-            batch.old_log_probs = self.actor.compute_log_probs(batch)
+            batch.old_log_probs = self.actor.compute_log_probs(batch).cpu()  # the batch lives on the CPU
         if self.reference is not None:
             with timer.phase("ref"):
-                batch.ref_log_probs = self.reference.compute_log_probs(batch)
+                batch.ref_log_probs = self.reference.compute_log_probs(batch).cpu()
         mismatch = self._mismatch(batch)
         # 4. The update: ppo_mini_batch_size prompts per optimizer step, exact global token-mean.
         num_mini_batches = cfg.trainer.train_batch_size // cfg.trainer.ppo_mini_batch_size

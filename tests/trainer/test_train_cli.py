@@ -150,3 +150,11 @@ def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path
         # wrong weight push after step 1 would show up as a large mismatch at step 2.
         assert metrics[step]["rollout/mismatch_mean"] < 1e-3, metrics[step]
         assert metrics[step]["weight_sync/seconds"] > 0
+
+
+def test_dynamic_sampling_that_runs_dry_says_what_to_change(demo_workspace, tmp_path):
+    """The untrained model answers nothing right: every group is all-wrong and the step cannot fill."""
+    proc = run_cli("train", "--config", str(CONFIG), *FAST[:-1], "algorithm.filter_groups.max_num_gen_batches=2",
+                   *workspace_overrides(demo_workspace, tmp_path / "dry"))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "max_num_gen_batches" in proc.stderr and "Traceback" not in proc.stderr
