@@ -158,3 +158,18 @@ def test_dynamic_sampling_that_runs_dry_says_what_to_change(demo_workspace, tmp_
                    *workspace_overrides(demo_workspace, tmp_path / "dry"))  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "max_num_gen_batches" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_two_data_parallel_replicas_each_generate_their_share(demo_workspace, tmp_path):
+    """DP=2: two engines (one per replica), gathered generation batches, one decision, one update."""
+    out = tmp_path / "dp2"
+    proc = run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", *workspace_overrides(demo_workspace, out), nproc=2)
+    _assert_ok(proc)
+    assert "dp 2" in proc.stdout, proc.stdout[-2000:]
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        m = metrics[step]
+        # Both replicas' generations were pooled: gen_batch_size prompts per generation batch.
+        assert m["train/num_groups_generated"] == 8 * m["train/num_gen_batches"]
+        assert m["actor/grad_norm"] > 0 and m["rollout/mismatch_mean"] < 1e-3
