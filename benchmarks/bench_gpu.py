@@ -183,9 +183,6 @@ def hf_baseline(args, model_dir: Path, batch: PolicyBatch) -> dict:
     tokens = int(batch.prompt_lengths.sum() + batch.response_lengths.sum())
     upd_s, _ = timed(lambda: step(False), args.iters)
     fwd_s, _ = timed(lambda: step(True), args.iters)
-    del model, optimizer
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
     return {"update_tokens_per_s": tokens / upd_s, "forward_tokens_per_s": tokens / fwd_s}
 
 

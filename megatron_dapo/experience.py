@@ -102,12 +102,6 @@ def gather_samples(local: Optional[Samples]) -> Samples:
     return Samples.concat(gather_from_leaders(local))
 
 
-def group_index(uids: Sequence[str]) -> torch.Tensor:
-    """``[N]`` long: the group number of each sample, numbered in order of first appearance."""
-    numbers: dict[str, int] = {}
-    return torch.tensor([numbers.setdefault(u, len(numbers)) for u in uids], dtype=torch.long)
-
-
 def build_policy_batch(
     samples: Samples,
     advantages: torch.Tensor,

@@ -16,9 +16,6 @@ from typing import Any, Optional
 
 from megatron_dapo.config import Config, ConfigError, validate_model_shape
 
-_TORCH_DTYPES = ("float32", "bfloat16", "float16")
-
-
 @dataclass
 class Runtime:
     """What a job holds after start-up."""
@@ -81,14 +78,11 @@ def launch_world_size() -> int:
 
 def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
     """Pre-flight, then process groups, tokenizer and the loaded model chunks."""
-    import torch
     from transformers import AutoTokenizer
 
     from megatron_dapo.distributed.objects import is_logging_rank
     from megatron_dapo.distributed.setup import init_distributed
-    from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
-    from megatron_dapo.model.load import load_hf_into_megatron
 
     world_size = launch_world_size()
     layout_text = preflight(cfg, world_size, needs_data=needs_data)
@@ -99,9 +93,24 @@ def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers: pad with EOS (padding never enters a loss)
         tokenizer.pad_token = tokenizer.eos_token
     hf_config = read_hf_config(cfg.model.hf_dir)
+    models = load_models(cfg, hf_config, ctx.layout)
+    output_dir = Path(cfg.trainer.output_dir)
+    if is_logging_rank():
+        output_dir.mkdir(parents=True, exist_ok=True)
+    return Runtime(cfg=cfg, ctx=ctx, tokenizer=tokenizer, hf_config=hf_config, models=models, output_dir=output_dir)
+
+
+def load_models(cfg: Config, hf_config: Any, layout: Any) -> list:
+    """This rank's model chunks with the starting weights: `model.megatron_checkpoint` when set, else
+    `model.hf_dir` (used for the actor and, with a KL loss, the frozen reference)."""
+    import torch
+
+    from megatron_dapo.model.builder import build_gpt_models
+    from megatron_dapo.model.load import load_hf_into_megatron
+
     models = build_gpt_models(
         hf_config,
-        ctx.layout,
+        layout,
         getattr(torch, cfg.model.dtype),
         transformer_engine=cfg.model.transformer_engine,
         sequence_parallel=cfg.parallel.sequence_parallel,
@@ -114,10 +123,7 @@ def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
         load_checkpoint(cfg.model.megatron_checkpoint, models, load_optimizer=False, load_scheduler=False, load_rng=False)
     else:
         load_hf_into_megatron(models, cfg.model.hf_dir, hf_config)
-    output_dir = Path(cfg.trainer.output_dir)
-    if is_logging_rank():
-        output_dir.mkdir(parents=True, exist_ok=True)
-    return Runtime(cfg=cfg, ctx=ctx, tokenizer=tokenizer, hf_config=hf_config, models=models, output_dir=output_dir)
+    return models
 
 
 def write_resolved_config(cfg: Config, output_dir: Path) -> Optional[Path]:

@@ -26,29 +26,28 @@ class SFTExample:
     response_ids: list[int]
 
 
-def load_sft_examples(files: Sequence[str], tokenizer: Any, max_prompt_length: int, max_response_length: int) -> list[SFTExample]:
-    """Read (prompt, response) pairs; too-long pairs are dropped with a count, missing fields are errors."""
-    from megatron_dapo.data.dataset import DatasetError, iter_records
+def load_sft_examples(
+    files: Sequence[str], tokenizer: Any, max_prompt_length: int, max_response_length: int,
+    prompt_key: str = "prompt", apply_chat_template: bool = True,
+) -> list[SFTExample]:
+    """Read (prompt, response) pairs; too-long pairs are dropped with a count, missing fields are errors.
+
+    The prompt is encoded as the rollout sees it (`data.dataset.encode_prompt`)."""
+    from megatron_dapo.data.dataset import DatasetError, encode_prompt, iter_records
 
     examples: list[SFTExample] = []
     dropped = 0
-    use_template = bool(getattr(tokenizer, "chat_template", None))
     for path in files:
         for where, record in iter_records(path, name="sft"):
-            prompt, response = record.get("prompt"), record.get("response")
-            if prompt is None or not isinstance(response, str):
-                raise DatasetError(f"{where}: an SFT record needs 'prompt' and a 'response' string; found {sorted(record)}")
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-            if use_template:
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                prompt_ids = tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+            response = record.get("response")
+            if not isinstance(response, str):
+                raise DatasetError(f"{where}: an SFT record needs a 'response' string (the target); found {sorted(record)}")
+            prompt_ids = encode_prompt(record, tokenizer, prompt_key=prompt_key, apply_chat_template=apply_chat_template, where=where)
             response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             if len(prompt_ids) > max_prompt_length or len(response_ids) > max_response_length:
                 dropped += 1
                 continue
-            examples.append(SFTExample(list(prompt_ids), list(response_ids)))
+            examples.append(SFTExample(prompt_ids, list(response_ids)))
     if not examples:
         raise DatasetError(
             f"no usable SFT example in {list(files)} ({dropped} longer than rollout.max_prompt_length / "
@@ -100,7 +99,10 @@ def run_sft(cfg: Config, say=print, keep_process_group: bool = False) -> Path:
         if s.batch_size % dp_size:
             raise ConfigError(f"'sft.batch_size'={s.batch_size} is not divisible by {dp_size} data-parallel replicas")
         tokenizer = runtime.tokenizer
-        examples = load_sft_examples(s.train_files, tokenizer, cfg.rollout.max_prompt_length, cfg.rollout.max_response_length)
+        examples = load_sft_examples(
+            s.train_files, tokenizer, cfg.rollout.max_prompt_length, cfg.rollout.max_response_length,
+            prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template,
+        )
         actor = build_actor(view, runtime.models, runtime.hf_config.vocab_size, sft=True)
         sampler = PromptSampler(len(examples), s.batch_size, shuffle=True, seed=cfg.data.seed)
         rank0 = is_logging_rank()

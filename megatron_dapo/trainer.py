@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_dapo.config import Config
-from megatron_dapo.experience import Samples, build_policy_batch, gather_samples, generate_and_score, group_index
+from megatron_dapo.experience import Samples, build_policy_batch, gather_samples, generate_and_score
 from megatron_dapo.rollout.base import SamplingParams
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was asked to stop and left a checkpoint
@@ -46,6 +46,7 @@ class DAPOTrainer:
         from megatron_dapo.reward.loader import load_reward_function
         from megatron_dapo.reward.manager import RewardManager
         from megatron_dapo.rollout.group import RolloutGroup
+        from megatron_dapo.runtime import load_models
 
         self.cfg, self.runtime, self.say = cfg, runtime, say
         self.rank0 = is_logging_rank()
@@ -53,7 +54,7 @@ class DAPOTrainer:
         self.tokenizer = runtime.tokenizer
         vocab = runtime.hf_config.vocab_size
         if cfg.algorithm.kl.use_kl_loss:  # the frozen reference: a second copy of the initial weights
-            self.reference = build_reference(cfg, _load_copy(cfg, runtime), vocab)
+            self.reference = build_reference(cfg, load_models(cfg, runtime.hf_config, runtime.ctx.layout), vocab)
         else:
             self.reference = None
         self.actor = build_actor(cfg, runtime.models, vocab)
@@ -125,7 +126,8 @@ class DAPOTrainer:
         from megatron_dapo.data.sampler import shard_for_rank
         from megatron_dapo.tracking import PhaseTimer
 
-        cfg, timer = self.cfg, PhaseTimer()
+        # On a GPU each phase ends with a synchronize, so kernels are charged to the phase that queued them.
+        cfg, timer = self.cfg, PhaseTimer(synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None)
         started = time.perf_counter()
         generated: list[Samples] = []
         # 1. Generate and score until train_batch_size prompt groups with mixed accuracy are kept.
@@ -139,7 +141,7 @@ class DAPOTrainer:
         sampling_stats = self.buffer.stats
         train = Samples.from_fields(self.buffer.take())
         # 2. Group-normalised advantages over the whole train batch (identical on every rank).
-        advantages = grpo_advantages(torch.tensor(train.score), group_index(train.uid), norm_by_std=cfg.algorithm.norm_adv_by_std)
+        advantages = grpo_advantages(torch.tensor(train.score), train.uid, norm_by_std=cfg.algorithm.norm_adv_by_std)
         rows = shard_for_rank(list(range(len(train))), self.dp_rank, self.dp_size)
         mine = Samples.from_fields({k: [v[i] for i in rows] for k, v in train.as_fields().items()})
         width = max(1, max(len(r) for r in mine.response_ids))
@@ -373,25 +375,6 @@ def _auto_reward_workers() -> int:
     import os
 
     return max(1, min(8, (os.cpu_count() or 1)))
-
-
-def _load_copy(cfg: Config, runtime: Any) -> list:
-    """Another set of model chunks with the initial weights (the frozen KL reference)."""
-    from megatron_dapo.model.builder import build_gpt_models
-    from megatron_dapo.model.load import load_hf_into_megatron
-
-    models = build_gpt_models(
-        runtime.hf_config, runtime.ctx.layout, getattr(torch, cfg.model.dtype),
-        transformer_engine=cfg.model.transformer_engine, sequence_parallel=cfg.parallel.sequence_parallel,
-        init_weights=False,
-    )  # fmt: skip
-    if cfg.model.megatron_checkpoint:
-        from megatron_dapo.checkpoint import load_checkpoint
-
-        load_checkpoint(cfg.model.megatron_checkpoint, models, load_optimizer=False, load_scheduler=False, load_rng=False)
-    else:
-        load_hf_into_megatron(models, cfg.model.hf_dir, runtime.hf_config)
-    return models
 
 
 def train(cfg: Config, *, resume: bool = False, say=print) -> dict[str, float]:

@@ -41,6 +41,7 @@ __all__ = [
     "PromptExample",
     "SUPPORTED_SUFFIXES",
     "datasets_from_config",
+    "encode_prompt",
     "iter_records",
 ]
 
@@ -261,6 +262,13 @@ def _render(prompt: _PromptKey, tokenizer: Any, use_template: bool) -> str:
         # encoding separately also lets the batch encoder below do the work.
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return prompt if isinstance(prompt, str) else "\n".join(content for _, content in prompt)
+
+
+def encode_prompt(record: dict, tokenizer: Any, *, prompt_key: str = "prompt", apply_chat_template: bool = True, where: str = "") -> list[int]:
+    """Token ids of one record's prompt, rendered exactly as `PromptDataset.load` renders it."""
+    use_template = _uses_chat_template(tokenizer, apply_chat_template)
+    text = _render(_prompt_of(record, prompt_key, where), tokenizer, use_template)
+    return list(_tokenize([text], tokenizer, add_special_tokens=not use_template)[0])
 
 
 def _tokenize(texts: list[str], tokenizer: Any, add_special_tokens: bool) -> list[list[int]]:

@@ -19,9 +19,6 @@ import torch
 from megatron_dapo.distributed.objects import is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> RolloutEngine:
     """The engine `cfg.rollout.engine` names, loaded from `hf_dir` (weights are replaced by the first sync)."""
     r = cfg.rollout
@@ -29,7 +26,7 @@ def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> Ro
     if r.engine == "embedded":
         from megatron_dapo.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(hf_dir, dtype=_TORCH_DTYPES[cfg.model.dtype], device=device)
+        return EmbeddedEngine(hf_dir, dtype=getattr(torch, cfg.model.dtype), device=device)
     if r.engine == "vllm":
         from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
