@@ -132,12 +132,10 @@ class DAPOTrainer:
         generated: list[Samples] = []
         # 1. Generate and score until train_batch_size prompt groups with mixed accuracy are kept.
         with timer.phase("gen"):
-            while not self.buffer.is_full or not generated:
+            while not self.buffer.is_full:  # `take` empties the buffer: every step generates at least once
                 samples = self._generate_batch(len(generated))
                 generated.append(samples)
                 self.buffer.add(samples.as_fields(), metric=torch.tensor(samples.acc), group_ids=samples.uid)
-                if self.buffer.is_full:
-                    break
         sampling_stats = self.buffer.stats
         train = Samples.from_fields(self.buffer.take())
         # 2. Group-normalised advantages over the whole train batch (identical on every rank).
