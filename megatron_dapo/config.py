@@ -105,6 +105,11 @@ class RolloutConfig:
     """Sleep the engine during training to free its KV cache (GPU engines only)."""
     weight_sync_bucket_mb: int = 512
     """Bucket size of the actor -> engine weight stream; peak extra memory is one bucket."""
+    weight_sync_mode: Literal["auto", "gather", "shared_memory"] = "auto"
+    """How TP shards reach the engine: "gather" (all-gather full tensors, then the engine's owner
+    loads them), "shared_memory" (each TP rank writes its own slices into a shared bucket file in
+    /dev/shm that the engine reads: no gather; the TP group must share a node) or "auto"
+    (shared_memory when the actor's TP > 1 and its TP group is on one node, else gather)."""
     val_n: int = 1
     """Samples per prompt during validation (k of avg@k / pass@k)."""
     val_temperature: float = 1.0

