@@ -12,10 +12,13 @@ engine on rank 0. Measured in one run, median of `--iters` after one warm-up:
   limit for moving these bytes (what a zero-overhead sync would cost);
 * stream only: the full-tensor export with nothing consuming it, and the TP-shard stream
   (`iter_weight_shard_buckets`, no TP gather) for comparison;
+* at TP > 1, the same syncs through the shared-memory hand-over (`rollout.weight_sync_mode=
+  shared_memory`: every TP rank writes only its own slices into a /dev/shm bucket file that the
+  engine reads; no gather), alternating with the gather syncs and the plain copy;
 * with `--vllm` (when vLLM is importable): the time to push the weights into a vLLM engine on rank 0
   (`sync_weights`, which ends with vLLM's commit: layer-wise reload and CPU re-packing) versus the
   time that engine takes to generate one batch (`--gen-prompts` x `--gen-n` responses of up to
-  `--gen-tokens` tokens);
+  `--gen-tokens` tokens); at TP > 1 in both sync modes, with a vLLM engine of `--vllm-tp` workers;
 * peak extra memory of a sync, last (it changes the allocator): exactly, the bytes of streamed
   tensors alive at once (weak references); and on each rank the resident-set high-water mark during
   the sync minus the resident set before it (Linux: VmHWM reset through /proc/self/clear_refs, glibc
@@ -25,6 +28,7 @@ engine on rank 0. Measured in one run, median of `--iters` after one warm-up:
     python benchmarks/bench_reshard.py                              # TP=1
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_reshard.py --tp 2
     python benchmarks/bench_reshard.py --vllm                       # + the vLLM push vs generate
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_reshard.py --tp 2 --vllm --vllm-tp 2
 """
 
 from __future__ import annotations
@@ -222,6 +226,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[16, 64, 512])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--vllm", action="store_true", help="also time a push into vLLM against one generation batch")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="tensor-parallel size of that vLLM engine (default 1)")
     parser.add_argument("--gen-prompts", type=int, default=8)
     parser.add_argument("--gen-n", type=int, default=4)
     parser.add_argument("--gen-tokens", type=int, default=64)
@@ -235,15 +240,18 @@ def main() -> None:
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import load_hf_into_megatron
     from megatron_dapo.rollout.embedded import EmbeddedEngine
+    from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.rollout.weight_sync import iter_weight_buckets, iter_weight_shard_buckets, sync_weights
 
     ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp), timeout_s=1800, seed=0)
     rank0 = ctx.rank == 0
     temp = None
     model_dir = Path(args.model_dir) if args.model_dir else None
-    if model_dir is None:
-        temp = tempfile.TemporaryDirectory(prefix="bench_reshard_")
-        model_dir = Path(temp.name) / "model"
+    if model_dir is None:  # rank 0's temporary directory, for every rank
+        from megatron_dapo.distributed.objects import broadcast_object
+
+        temp = tempfile.TemporaryDirectory(prefix="bench_reshard_") if rank0 else None
+        model_dir = Path(broadcast_object(str(Path(temp.name) / "model") if rank0 else None, src=0))
     if rank0 and not (model_dir / "config.json").is_file():
         save_model(model_dir, args)
     dist.barrier()
@@ -283,10 +291,14 @@ def main() -> None:
         report["plain_all_gather"] = {"seconds": gather_s, "gb_per_s": local_bytes * args.tp / gather_s / 1e9, "mb_per_rank": local_bytes / 2**20}
         del flat, gathered
 
-    # Full syncs into the embedded engine, per bucket size, each against the plain copy.
+    # Full syncs into the embedded engine, per bucket size, each against the plain copy; at TP > 1
+    # also through the shared-memory hand-over (the trainer's default there).
+    handover = RolloutGroup(engine, sync_mode="shared_memory", engine_kind="embedded")
     report["sync"] = []
     for bucket_mb in args.bucket_mb:
         sync_s, copy_s, stats = timed_against_copy(lambda: sync_weights(models, hf_cfg, engine, bucket_mb=bucket_mb), copy_fn, args.iters)
+        if args.tp > 1:
+            handover_s, _, _ = timed_against_copy(lambda: handover.sync_weights(models, hf_cfg, bucket_mb), copy_fn, args.iters)
         report["sync"].append({
             "bucket_mb": bucket_mb,
             "seconds": sync_s,
@@ -296,6 +308,7 @@ def main() -> None:
             "load_seconds_last": stats.load_seconds,
             "num_buckets": stats.num_buckets,
             "peak_bucket_mb": stats.peak_bucket_bytes / 2**20,
+            **({"handover_seconds": handover_s, "handover_gb_per_s": nbytes / handover_s / 1e9} if args.tp > 1 else {}),
         })  # fmt: skip
 
     # vLLM: push time versus one generation batch.
@@ -314,6 +327,13 @@ def main() -> None:
         probe = LiveBytesProbe(engine) if rank0 else None
         sync_weights(models, hf_cfg, probe, bucket_mb=entry["bucket_mb"])
         entry["peak_live_stream_mb"] = probe.peak / 2**20 if rank0 else None
+        if args.tp > 1:
+            dist.barrier()
+            _, extra_mb = measure_peak_extra(lambda: handover.sync_weights(models, hf_cfg, entry["bucket_mb"]))
+            extras = [None] * ctx.world_size
+            dist.all_gather_object(extras, extra_mb)
+            entry["handover_peak_extra_rss_mb_per_rank"] = extras
+    handover.close_weight_sync()
 
     if rank0:
         print_report(report)
@@ -348,7 +368,7 @@ def vllm_push_vs_generate(args, models, hf_cfg, model_dir: Path, rank0: bool) ->
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         started = time.perf_counter()
-        engine = VLLMEngine(str(model_dir), tensor_parallel_size=1, dtype="float32", max_model_len=args.prompt_length + args.gen_tokens + 8,
+        engine = VLLMEngine(str(model_dir), tensor_parallel_size=args.vllm_tp, dtype="float32", max_model_len=args.prompt_length + args.gen_tokens + 8,
                             kv_cache_memory_bytes=512 << 20, weight_bucket_mb=512)  # fmt: skip
         start_s = time.perf_counter() - started
     g = torch.Generator().manual_seed(0)
@@ -357,7 +377,13 @@ def vllm_push_vs_generate(args, models, hf_cfg, model_dir: Path, rank0: bool) ->
 
     # sync_weights ends with the engine's commit_weights: vLLM's layer-wise reload is finished and counted.
     push_s, stats = timed(lambda: sync_weights(models, hf_cfg, engine, bucket_mb=512), args.iters)
-    result: dict = {"push_seconds": push_s, "push_gb_per_s": stats.bytes / push_s / 1e9}
+    result: dict = {"push_seconds": push_s, "push_gb_per_s": stats.bytes / push_s / 1e9, "engine_tp": args.vllm_tp}
+    if args.tp > 1:
+        from megatron_dapo.rollout.group import RolloutGroup
+
+        handover = RolloutGroup(engine, sync_mode="shared_memory", engine_kind="vllm")
+        result["handover_push_seconds"], _ = timed(lambda: handover.sync_weights(models, hf_cfg, 512), args.iters)
+        handover.close_weight_sync()
     if rank0:
         engine.generate(prompts, sampling)  # warm-up
         times, tokens = [], 0
@@ -392,6 +418,12 @@ def print_report(r: dict) -> None:
     print("  bucket MB | sync ms | GB/s | plain copy ms | GB/s | sync/copy | buckets | peak bucket MB | "
           "stream-held peak MB | peak extra RSS MB per rank")  # fmt: skip
     for s in r["sync"]:
+        if "handover_seconds" in s:
+            handover_extras = ", ".join(f"{e:.0f}" for e in s["handover_peak_extra_rss_mb_per_rank"])
+            print(f"  (bucket {s['bucket_mb']:g} MB) shared-memory hand-over, no gather: {s['handover_seconds'] * 1e3:.1f} ms = "
+                  f"{s['handover_gb_per_s']:.2f} GB/s, {s['seconds'] / s['handover_seconds']:.2f}x the gather sync; "
+                  f"peak extra RSS MB per rank {handover_extras}")  # fmt: skip
+    for s in r["sync"]:
         extras = ", ".join("n/a" if e != e else f"{e:.0f}" for e in s["peak_extra_rss_mb_per_rank"])
         print(f"  {s['bucket_mb']:>9g} | {s['seconds'] * 1e3:>7.1f} | {s['gb_per_s']:.2f} | {s['copy_seconds'] * 1e3:>13.1f} | "
               f"{s['copy_gb_per_s']:.2f} | {s['gb_per_s'] / s['copy_gb_per_s']:>9.0%} | {s['num_buckets']:>7} | "
@@ -403,7 +435,11 @@ def print_report(r: dict) -> None:
         else:
             print(f"vLLM (float32, CPU, engine start {v['engine_start_seconds']:.0f} s): push {v['push_seconds']:.2f} s "
                   f"({v['push_gb_per_s']:.2f} GB/s) vs generate one batch {v['generate_seconds']:.2f} s "
-                  f"[{v['batch']}, {v['generated_tokens']} tokens]: push = {v['push_over_generate']:.0%} of a generation")  # fmt: skip
+                  f"[{v['batch']}, {v['generated_tokens']} tokens]: push = {v['push_over_generate']:.0%} of a generation"
+                  f" (engine TP {v['engine_tp']})")  # fmt: skip
+            if "handover_push_seconds" in v:
+                print(f"vLLM push through the shared-memory hand-over (no gather): {v['handover_push_seconds']:.2f} s = "
+                      f"{v['push_seconds'] / v['handover_push_seconds']:.2f}x faster than with the gather")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ layout. It loads the HF checkpoint into the Megatron actor (TP x PP) and into a 
 rank 0, changes every actor weight (`--update perturb`, the default: all weights scaled by
 1 + 2^-6, so a tensor the sync misses keeps its old value and shows up) or runs one real optimizer
 step (`--update step`), syncs the weights with `rollout.weight_sync.sync_weights` (the trainer's
-code path), then checks:
+code path, `RolloutGroup.sync_weights`, in the mode `--sync-mode` picks), then checks:
 
 1. per tensor: the engine's weight equals the actor's HF export bit for bit (in the engine dtype);
 2. the engine's log-probs of responses it samples against the actor's forward-only log-probs of
@@ -42,7 +42,8 @@ Check that the actor -> rollout engine weight sync is exact.
 
 Loads the HF model into the Megatron actor (--tp x --pp processes) and into a rollout engine on
 rank 0, changes every actor weight (--update perturb: all scaled by 1 + 2^-6; --update step: one
-optimizer step), syncs with the trainer's code path, and reports
+optimizer step), syncs with the trainer's code path (--sync-mode: gather, or shared_memory where
+each TP rank writes only its own slices; auto picks like the trainer), and reports
   * per tensor: engine weight == actor's HF export, bit for bit (in the engine dtype);
   * the log-prob mismatch of responses the engine samples: mean / max |engine - actor| and the
     k3 KL estimate, over all response tokens.
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and --update step")
     parser.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket size in MB (rollout.weight_sync_bucket_mb)")
+    parser.add_argument("--sync-mode", choices=("auto", "gather", "shared_memory"), default="auto",
+                        help="how TP shards reach the engine (rollout.weight_sync_mode): gather full tensors, or each "
+                        "TP rank writes its own slices to /dev/shm; auto (default) picks like the trainer")  # fmt: skip
     parser.add_argument("--only-failures", action="store_true", help="list only the tensors that differ")
     parser.add_argument("--corrupt-tensor", metavar="NAME", default=None,
                         help="self-test: after the sync, overwrite this HF tensor in the engine with a perturbed "
@@ -298,8 +302,8 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
     import torch.distributed as dist
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+    from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.rollout.mismatch import log_prob_mismatch
-    from megatron_dapo.rollout.weight_sync import sync_weights
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp), timeout_s=args.timeout_s, seed=args.seed, env=env)
@@ -351,9 +355,14 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
         say(f"   before the sync, {stale_compared - stale_equal} of {stale_compared} engine tensors differ from the actor"
             + ("" if stale_equal == 0 else f" ({stale_equal} unchanged by the update: a missed sync of those cannot show)"))
 
-        stats = sync_weights(actor.gpt_models, hf_cfg, engine, bucket_mb=args.bucket_mb)
-        say(f"3. synced {stats.num_tensors} tensors, {stats.bytes / 1e6:.1f} MB in {stats.num_buckets} bucket(s) "
-            f"(largest {stats.peak_bucket_bytes / 1e6:.1f} MB) in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s")  # fmt: skip
+        rollout = RolloutGroup(engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type)
+        try:
+            stats = rollout.sync_weights(actor.gpt_models, hf_cfg, args.bucket_mb)
+        finally:
+            rollout.close_weight_sync()
+        moved = "MB of this rank's own slices" if rollout.sync_mode == "shared_memory" else "MB"
+        say(f"3. synced {stats.num_tensors} tensors ({rollout.sync_mode}), {stats.bytes / 1e6:.1f} {moved} in {stats.num_buckets} "
+            f"bucket(s) (largest {stats.peak_bucket_bytes / 1e6:.1f} MB) in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s")  # fmt: skip
         if engine is not None and args.corrupt_tensor:
             current = dict(engine.named_weights())
             if args.corrupt_tensor not in current:

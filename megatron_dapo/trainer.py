@@ -86,7 +86,11 @@ class DAPOTrainer:
         resumed = self._maybe_resume() if resume else False
         self.logger = self._make_logger(resumed)
         # The engine starts from the HF weights; after a resume (or a Megatron checkpoint) the actor's differ.
-        self._sync_weights()
+        first_sync = self._sync_weights()
+        self.say_rank0(
+            f"weight sync: {self.rollout.sync_mode} (rollout.weight_sync_mode={cfg.rollout.weight_sync_mode}), "
+            f"{first_sync['seconds']:.2f} s for the first push"
+        )
 
     # ------------------------------------------------------------------ the loop
 

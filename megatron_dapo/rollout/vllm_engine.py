@@ -13,7 +13,8 @@ How weights get in. vLLM runs the model in other processes (the engine core, plu
 TP rank); tensors passed through `LLM.collective_rpc` arrive there as plain lists unless insecure
 pickling is switched on. So `load_weights` writes its (name, tensor) stream into safetensors files
 under /dev/shm (RAM), one bucket at a time, and each worker reads the file itself through the
-method names of `VLLMWorkerExtension` (mixed into vLLM's worker with `worker_extension_cls`, so no
+method names of `VLLMWorkerExtension`; `load_weights_file` takes a bucket file written by others
+(the actor's TP ranks each write their own slices into it: `shard_handover`, no gather) (mixed into vLLM's worker with `worker_extension_cls`, so no
 code object is ever pickled). The worker feeds the tensors to vLLM's layer-wise in-place reload
 (`vllm.model_executor.model_loader.reload`): each layer is rebuilt in checkpoint format, loaded,
 re-processed (on CPU: its linear weights re-packed for oneDNN) and copied back into the original
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -329,6 +331,7 @@ class VLLMWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        _quiet_rotary_reload_warning()
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(self._mdapo_model())
 
@@ -403,6 +406,24 @@ class VLLMWorkerExtension:
                 layout[name] = [shard_dim, replicas]
         write_safetensors(Path(directory) / f"tp{tp_rank}.safetensors", tensors)
         return {"tp_rank": tp_rank, "layout": layout}
+
+
+def _not_a_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for vLLM's reload warning about a rotary embedding layer."""
+    is_rotary = bool(record.args) and str(record.args[0]).endswith("RotaryEmbedding")
+    return not (record.msg == "%s: Failed to load weights" and is_rotary)
+
+
+def _quiet_rotary_reload_warning() -> None:
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" warning at the end of every reload.
+
+    A rotary layer's cos/sin cache is computed, never part of a checkpoint, so no update carries it
+    and vLLM rightly keeps the existing one; the warning would repeat for every worker at every
+    training step. Other layers that receive nothing are still reported.
+    """
+    layerwise_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _not_a_rotary_reload_warning not in layerwise_logger.filters:
+        layerwise_logger.addFilter(_not_a_rotary_reload_warning)
 
 
 def _reprocess_tied_output_heads(model: torch.nn.Module) -> list[str]:

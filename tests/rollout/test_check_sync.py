@@ -1,7 +1,7 @@
 """`megatron-dapo check-sync` end to end, as a user runs it (subprocesses, the tiny models).
 
-* TP=2, plain command: it starts its two processes itself; every tensor equal, mismatch printed,
-  exit code 0;
+* TP=2, plain command: it starts its two processes itself; the sync takes the shared-memory
+  hand-over (auto at TP=2); every tensor equal, mismatch printed, exit code 0;
 * one process (no launcher) with a tolerance below the float32 noise: tensors equal, exit code 1
   because of the log-prob mismatch alone;
 * `tools/check_sync.py` at PP=2 after one real optimizer step, with `--corrupt-tensor`: the
@@ -46,6 +46,7 @@ def test_tp2_passes_and_reports_every_tensor(tiny_model_dirs):
     assert "before the sync, 50 of 50 engine tensors differ from the actor" in out.stdout
     assert len(re.findall(r"^   OK    ", out.stdout, flags=re.M)) == 50  # tied: no lm_head.weight
     assert "50 of 50 tensors equal" in out.stdout and "PASS" in out.stdout
+    assert "(shared_memory)" in out.stdout and "MB of this rank's own slices" in out.stdout  # auto at TP=2
     mean, largest = _mismatch(out.stdout)
     assert 0 <= mean <= largest < 1e-4
 
