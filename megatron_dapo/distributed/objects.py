@@ -82,16 +82,13 @@ def broadcast_object(value: Any, src: int = 0, group: Optional[dist.ProcessGroup
     return box[0]
 
 
-def hostnames(group: Optional[dist.ProcessGroup] = None) -> list[str]:
-    """The host name of every rank of `group`, in group-rank order (one process: this host)."""
-    import socket
-
-    name = socket.gethostname()
+def gather_objects(value: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """Every rank's `value`, in group-rank order, on every rank of `group` (one process: [value])."""
     if not _initialised():
-        return [name]
-    names: list[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, name, group=group)
-    return [str(n) for n in names]
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 def _collective_device() -> torch.device:

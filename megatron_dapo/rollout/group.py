@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_dapo.distributed.objects import is_replica_leader
+from megatron_dapo.distributed.objects import gather_objects, is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 
 def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> RolloutEngine:
@@ -103,9 +103,7 @@ def _leader_tp_group_hosts() -> list[str]:
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
         return [socket.gethostname()]
     mine = (ps.get_pipeline_model_parallel_rank(), ps.get_context_parallel_rank(), socket.gethostname())
-    group = ps.get_model_parallel_group()
-    entries: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(entries, mine, group=group)
+    entries = gather_objects(mine, ps.get_model_parallel_group())
     return [host for pp_rank, cp_rank, host in entries if pp_rank == 0 and cp_rank == 0]
 
 

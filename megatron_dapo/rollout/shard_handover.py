@@ -74,7 +74,17 @@ def write_shards_into_bucket_file(path: Path, shards: Sequence[EngineShard], tp_
     total = len(prefix) + (spans[-1][1] if spans else 0)
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.ftruncate(descriptor, total)  # the same size on every rank: idempotent, pages stay unallocated
+        os.ftruncate(descriptor, total)  # the same size on every rank: idempotent
+        try:  # reserve the pages now: a full /dev/shm raises here instead of killing us with SIGBUS later
+            os.posix_fallocate(descriptor, 0, total)
+        except OSError as error:
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free
+            raise OSError(
+                error.errno,
+                f"cannot reserve {total / 2**20:.0f} MiB for a weight bucket in {os.path.dirname(path)} "
+                f"({free / 2**20:.0f} MiB free): lower rollout.weight_sync_bucket_mb, give the container more shared "
+                "memory (docker --shm-size) or use rollout.weight_sync_mode=gather",
+            ) from error
         if tp_rank == 0:
             os.pwrite(descriptor, prefix, 0)
         mapped = mmap.mmap(descriptor, total)
@@ -152,14 +162,23 @@ class SharedMemoryHandover:
 
     def load_weight_shards(self, shards: Iterable[EngineShard]) -> None:
         """Collective over the TP group: every rank writes its slices, the owner's engine takes the file."""
-        from megatron_dapo.distributed.objects import broadcast_object
+        from megatron_dapo.distributed.objects import broadcast_object, gather_objects
 
         shards = list(shards)
         path = self.directory / f"bucket{self._count:06d}.safetensors"
         self._count += 1
-        write_shards_into_bucket_file(path, shards, self.group_rank)
-        dist.barrier(group=self.group)  # every slice is in the file
         error = None
+        try:
+            write_shards_into_bucket_file(path, shards, self.group_rank)
+        except OSError as failure:
+            error = f"TP rank {self.group_rank}: {failure}"
+        # Everyone's outcome doubles as the first barrier: every slice is in the file, or all ranks
+        # learn why not (a rank that failed alone would leave the others waiting for the timeout).
+        errors = [e for e in gather_objects(error, self.group) if e is not None]
+        if errors:
+            if self.is_owner:
+                path.unlink(missing_ok=True)
+            raise RuntimeError(f"could not write a weight bucket to shared memory: {errors[0]}")
         if self.is_owner:
             try:
                 if self.engine is not None:

@@ -57,11 +57,19 @@ def my_shards(full: dict[str, torch.Tensor], rank: int, tp: int):
     return shards
 
 
-def main(fail_on: str | None = None, dtype: str = "float32") -> dict:
+def main(fail_on: str | None = None, dtype: str = "float32", full_shm_on_rank: int | None = None) -> dict:
+    import errno
+
     from megatron_dapo.rollout.shard_handover import SharedMemoryHandover
 
     dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
+    if rank == full_shm_on_rank:  # this rank's /dev/shm is full: reserving the bucket's pages fails
+
+        def no_space(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = no_space
     full = full_tensors(getattr(torch, dtype))
     engine = RecordingEngine(fail_on) if rank == 0 else None
     handover = SharedMemoryHandover.create(engine, dist.group.WORLD)

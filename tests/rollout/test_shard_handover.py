@@ -3,8 +3,8 @@
 One process: every rank's slices (from the architecture tables' own Megatron shards, at TP 2 and 4,
 vocabulary padding included) written into one bucket file in any rank order read back as exactly
 the full HF tensors; the choice between gather and shared memory. Two gloo processes: the
-collective hand-over into an engine on rank 0, including a load that fails on the owner (every
-rank must raise, no file may stay behind). The real Megatron actor -> embedded / vLLM engines
+collective hand-over into an engine on rank 0, including a load that fails on the owner and a
+/dev/shm that is full on another rank (every rank must raise, no file may stay behind). The real Megatron actor -> embedded / vLLM engines
 (bit-exact tensors, log-prob mismatch, 100 update rounds) run in test_weight_sync.py.
 """
 
@@ -120,4 +120,15 @@ def test_a_failed_load_fails_every_rank_and_leaves_no_file():
     result.check()
     for rank_result in result.rank_results:
         assert "could not load a weight bucket" in rank_result["error"] and "o_proj.weight" in rank_result["error"]
+        assert rank_result["files_left"] == []
+
+
+def test_full_shared_memory_on_one_rank_fails_every_rank_with_what_to_change():
+    """ENOSPC while reserving the bucket (docker's default 64 MB /dev/shm) is an error on every rank, not a SIGBUS or a hang."""
+    result = run_torchrun_function(WORKER, "main", nproc=2, kwargs={"full_shm_on_rank": 1}, timeout=120)
+    result.check()
+    for rank_result in result.rank_results:
+        error = rank_result["error"]
+        assert "could not write a weight bucket to shared memory: TP rank 1" in error, error
+        assert "rollout.weight_sync_bucket_mb" in error and "--shm-size" in error and "weight_sync_mode=gather" in error
         assert rank_result["files_left"] == []
