@@ -76,7 +76,8 @@ def write_shards_into_bucket_file(path: Path, shards: Sequence[EngineShard], tp_
     try:
         os.ftruncate(descriptor, total)  # the same size on every rank: idempotent
         try:  # reserve the pages now: a full /dev/shm raises here instead of killing us with SIGBUS later
-            os.posix_fallocate(descriptor, 0, total)
+            if hasattr(os, "posix_fallocate"):  # Linux; elsewhere a full disk shows at the first write
+                os.posix_fallocate(descriptor, 0, total)
         except OSError as error:
             free = shutil.disk_usage(os.path.dirname(path) or ".").free
             raise OSError(
