@@ -82,6 +82,7 @@ def main(fail_on: str | None = None, dtype: str = "float32", full_shm_on_rank: i
         result["error"] = None
     except RuntimeError as error:
         result["error"] = str(error)
+    dist.barrier()  # the owner removes a failed bucket's file after everyone has reported
     result["files_left"] = sorted(os.listdir(handover.directory))
     if engine is not None:
         result["equal"] = {name: torch.equal(engine.loaded[name], tensor) for name, tensor in full.items() if name in engine.loaded}
