@@ -158,7 +158,7 @@ def _iter_json(path: Path, name: str) -> Iterator[tuple[str, dict]]:
     with open(path, encoding="utf-8") as handle:
         head = handle.read(4096).lstrip()
         handle.seek(0)
-        if head.startswith("["):
+        if path.suffix.lower() == ".json" and head.startswith("["):  # .jsonl is always one object per line
             try:
                 records = json.load(handle)
             except json.JSONDecodeError as err:

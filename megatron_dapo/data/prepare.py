@@ -121,7 +121,8 @@ def _text_field(record: dict, key: str, where: str) -> str:
 
 
 def read_question_answers(path: Union[str, Path]) -> list[tuple[str, str]]:
-    """(question, answer) pairs from a jsonl of {"question", "answer"} objects; other keys are ignored.
+    """(question, answer) pairs from {"question", "answer"} records (.jsonl; .json and .parquet read
+    too, through `dataset.iter_records`); other keys are ignored.
 
     Raises DatasetError naming the line for bad JSON, a missing or empty field; also for a missing
     or empty file.
@@ -130,18 +131,9 @@ def read_question_answers(path: Union[str, Path]) -> list[tuple[str, str]]:
     if not path.is_file():
         raise DatasetError(f"{path}: input file not found")
     pairs = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from err
-            if not isinstance(record, dict):
-                raise DatasetError(f"{where}: expected a JSON object with 'question' and 'answer', got {type(record).__name__}")
-            pairs.append((_text_field(record, "question", where), _text_field(record, "answer", where)))
+    for location, record in iter_records(path, name="input"):
+        where = f"{path} {location}"
+        pairs.append((_text_field(record, "question", where), _text_field(record, "answer", where)))
     if not pairs:
         raise DatasetError(f"{path}: no questions in the input (empty file)")
     return pairs
