@@ -126,6 +126,11 @@ def _remove_directory(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def _first_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """Global rank of the group's rank 0 (the owner)."""
+    return dist.get_process_group_ranks(group)[0] if group is not None else 0
+
+
 class SharedMemoryHandover:
     """One TP group's shard path into its engine (a `ShardLoadingEngine` for `sync_weights`).
 
@@ -140,7 +145,7 @@ class SharedMemoryHandover:
         self.group = group
         self.directory = Path(directory)
         self.group_rank = dist.get_rank(group)
-        self.owner_rank = dist.get_process_group_ranks(group)[0] if group is not None else 0
+        self.owner_rank = _first_rank(group)
         self._count = 0
         self._cleanup = weakref.finalize(self, _remove_directory, self.directory) if self.is_owner else None
 
@@ -157,8 +162,7 @@ class SharedMemoryHandover:
         if engine is not None and group_rank != 0:
             raise ValueError(f"the engine must live on rank 0 of its TP group, not on group rank {group_rank}")
         directory = tempfile.mkdtemp(prefix="megatron_dapo_shards_", dir=shared_memory_root()) if group_rank == 0 else None
-        owner = dist.get_process_group_ranks(group)[0] if group is not None else 0
-        directory = broadcast_object(directory, src=owner, group=group)
+        directory = broadcast_object(directory, src=_first_rank(group), group=group)
         return cls(engine, group, Path(directory))
 
     def load_weight_shards(self, shards: Iterable[EngineShard]) -> None:

@@ -20,37 +20,20 @@ from megatron_dapo.model.mapping import MappingTable, ModelShape, padded_vocab_s
 from megatron_dapo.rollout.group import choose_sync_mode
 from megatron_dapo.rollout.shard_handover import iter_safetensors, write_shards_into_bucket_file
 from megatron_dapo.rollout.weight_sync import bucket_stream, engine_shards
+from shard_shapes import SHARD_SHAPE, hf_tensor
 from torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_handover_worker.py"
-SHAPE = dict(hidden=16, heads=8, groups=4, head_dim=4, ffn=24, vocab=300)
-
-
 def _full_hf_tensors(table: MappingTable, num_layers: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Random full HF tensors for every name of the table (shapes from SHAPE)."""
-    s = SHAPE
-    q, kv = s["heads"] * s["head_dim"], s["groups"] * s["head_dim"]
-    shapes = {
-        "embed_tokens.weight": (s["vocab"], s["hidden"]), "lm_head.weight": (s["vocab"], s["hidden"]),
-        "q_proj.weight": (q, s["hidden"]), "k_proj.weight": (kv, s["hidden"]), "v_proj.weight": (kv, s["hidden"]),
-        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
-        "q_norm.weight": (s["head_dim"],), "k_norm.weight": (s["head_dim"],), "o_proj.weight": (s["hidden"], q),
-        "gate_proj.weight": (s["ffn"], s["hidden"]), "up_proj.weight": (s["ffn"], s["hidden"]),
-        "down_proj.weight": (s["hidden"], s["ffn"]), "layernorm.weight": (s["hidden"],), "norm.weight": (s["hidden"],),
-    }  # fmt: skip
+    """Random full HF tensors for every name of the table (shapes from SHARD_SHAPE)."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for row, layer in table.ordered(num_layers):
-        for name in row.hf_names(layer):
-            suffix = next(k for k in shapes if name.endswith(k))
-            out[name] = torch.randn(shapes[suffix], generator=g).to(dtype)
-    return out
+    return {name: hf_tensor(name, g).to(dtype) for row, layer in table.ordered(num_layers) for name in row.hf_names(layer)}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_TABLES))
 @pytest.mark.parametrize("tp,dtype", [(2, torch.float32), (4, torch.bfloat16)])
 def test_every_ranks_slices_assemble_the_full_tensors_in_one_file(arch, tp, dtype, tmp_path):
-    s = SHAPE
+    s = SHARD_SHAPE
     table = MappingTable(arch, ARCH_TABLES[arch], tie_word_embeddings=False)
     shape = ModelShape(s["heads"], s["groups"], s["head_dim"], s["vocab"], padded_vocab_size(s["vocab"], tp))
     full = _full_hf_tensors(table, num_layers=2, dtype=dtype, seed=tp)

@@ -38,6 +38,7 @@ import torch
 from megatron_dapo.model.arch_tables import ARCH_TABLES
 from megatron_dapo.model.mapping import MappingTable, ModelShape, padded_vocab_size
 from megatron_dapo.rollout.weight_sync import SyncStats, bucket_stream, engine_shards, iter_weight_buckets, sync_weights
+from shard_shapes import SHARD_SHAPE, hf_tensor
 from torchrun_utils import run_torchrun_script
 
 WORKER = Path(__file__).parent / "_sync_worker.py"
@@ -178,37 +179,6 @@ def test_buckets_keep_order_respect_the_limit_and_isolate_big_tensors():
         list(iter_weight_buckets([], None, bucket_mb=0))
 
 
-SHARD_SHAPE = dict(hidden=16, heads=8, groups=4, head_dim=4, ffn=24, vocab=300)
-
-
-def _hf_tensor(name: str, g: torch.Generator) -> torch.Tensor:
-    """A random full HF tensor for `name` in a small GQA model (SHARD_SHAPE)."""
-    s = SHARD_SHAPE
-    q_rows, kv_rows = s["heads"] * s["head_dim"], s["groups"] * s["head_dim"]
-    sizes = {
-        "embed_tokens.weight": (s["vocab"], s["hidden"]),
-        "lm_head.weight": (s["vocab"], s["hidden"]),
-        "q_proj.weight": (q_rows, s["hidden"]),
-        "k_proj.weight": (kv_rows, s["hidden"]),
-        "v_proj.weight": (kv_rows, s["hidden"]),
-        "q_proj.bias": (q_rows,),
-        "k_proj.bias": (kv_rows,),
-        "v_proj.bias": (kv_rows,),
-        "q_norm.weight": (s["head_dim"],),
-        "k_norm.weight": (s["head_dim"],),
-        "o_proj.weight": (s["hidden"], q_rows),
-        "gate_proj.weight": (s["ffn"], s["hidden"]),
-        "up_proj.weight": (s["ffn"], s["hidden"]),
-        "down_proj.weight": (s["hidden"], s["ffn"]),
-        "layernorm.weight": (s["hidden"],),
-        "norm.weight": (s["hidden"],),
-    }
-    for suffix, shape in sizes.items():
-        if name.endswith(suffix):
-            return torch.randn(shape, generator=g)
-    raise KeyError(name)
-
-
 def _slice_of_rank(full: torch.Tensor, rank: int, tp: int, dim: int) -> torch.Tensor:
     """Rank `rank`'s contiguous block of `full` along `dim` (the TP inference convention)."""
     size = full.shape[dim] // tp
@@ -226,7 +196,7 @@ def test_engine_shards_are_the_engine_slices_of_every_mapping_row(arch, tp):
     g = torch.Generator().manual_seed(tp)
     heads_per_rank, groups_per_rank, d = s["heads"] // tp, s["groups"] // tp, s["head_dim"]
     for row, layer in table.ordered(num_layers=1):
-        full = {name: _hf_tensor(name, g) for name in row.hf_names(layer)}
+        full = {name: hf_tensor(name, g) for name in row.hf_names(layer)}
         covered = {name: [] for name in full}
         for rank in range(tp):
             megatron = row.to_megatron_shard([full[n] for n in row.hf_names(layer)], rank, tp, shape)
