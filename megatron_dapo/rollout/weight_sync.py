@@ -28,8 +28,7 @@ the full HF tensor), using the row's own transform on a per-rank `ModelShape`;
 all), and `sync_weights(..., tp_shards=True)` gives them to a ``load_weight_shards`` target: the
 `shard_handover.SharedMemoryHandover`, where every TP rank writes its slices into one shared
 bucket file that the engine then reads (`RolloutGroup` picks this path; see its doc). The slicing
-convention is the usual
-one of TP inference engines: rank r holds the r-th contiguous block of attention heads / query
+convention is the usual one of TP inference engines: rank r holds the r-th contiguous block of attention heads / query
 groups (q, k and v of the same groups), of gate and up rows, and of the input dimension of
 o_proj/down_proj; norms are whole. Vocabulary rows are Megatron's padded split with the padding
 dropped (an engine whose vocabulary padding differs must place them by ``start``).
@@ -44,7 +43,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import torch
 
 from megatron_dapo.model.arch_tables import mapping_for
-from megatron_dapo.safetensors_format import tensor_nbytes
 from megatron_dapo.model.mapping import (
     GATE_UP,
     QKV_INTERLEAVED,
@@ -55,6 +53,7 @@ from megatron_dapo.model.mapping import (
     ModelShape,
     layer_location,
 )
+from megatron_dapo.safetensors_format import tensor_nbytes
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -274,15 +273,20 @@ def _iter_engine_shards(models: Sequence[torch.nn.Module], hf_config) -> Iterato
         yield from shards
 
 
+def _full_nbytes(shard: EngineShard) -> int:
+    return shard.full_nbytes
+
+
 def iter_weight_shard_buckets(
     models: Sequence[torch.nn.Module], hf_config, bucket_mb: float = DEFAULT_BUCKET_MB
 ) -> Iterator[list[EngineShard]]:
     """Buckets of this TP rank's `EngineShard`s of the whole model (no TP gather), on every PP stage.
 
-    A collective over the pipeline group: every rank must consume it to the end. For an engine whose
-    TP size equals the actor's and whose shard r is fed by actor TP rank r.
+    A collective over the pipeline group: every rank must consume it to the end. Buckets are cut by
+    the FULL tensors' bytes (what they fill in a shared bucket file), so every TP rank cuts the same
+    buckets, although its own slices differ in size (the vocabulary's last rank).
     """
-    return bucket_stream(_iter_engine_shards(models, hf_config), _bucket_limit(bucket_mb))
+    return bucket_stream(_iter_engine_shards(models, hf_config), _bucket_limit(bucket_mb), size_of=_full_nbytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,10 +360,9 @@ def sync_weights(
     a list of engines, or None on ranks that own none (their stats count the streamed bytes, with
     no buckets). Engines must be awake (`wake_up`) first; an engine's ``commit_weights`` (if it has
     one) is called at the end, so the engine is ready to generate when this returns.
-    With ``tp_shards`` each rank streams its own TP shards (no TP gather) to a
-    `ShardLoadingEngine` (`shard_handover.SharedMemoryHandover`); buckets are then measured in full
-    tensor bytes so that every TP rank cuts the same buckets. Otherwise full HF tensors go to
-    `RolloutEngine.load_weights`.
+    With ``tp_shards`` each rank streams its own TP shards (no TP gather, buckets as in
+    `iter_weight_shard_buckets`) to a `ShardLoadingEngine` (`shard_handover.SharedMemoryHandover`).
+    Otherwise full HF tensors go to `RolloutEngine.load_weights`.
     """
     targets = _as_engine_list(engines)
     if tp_shards:
@@ -367,7 +370,7 @@ def sync_weights(
         if missing:
             raise TypeError(f"tp_shards=True needs engines with load_weight_shards(); {missing} have none")
         stream = _iter_engine_shards(models, hf_config)
-        bucket_size = lambda shard: shard.full_nbytes  # noqa: E731 - identical on every TP rank
+        bucket_size = _full_nbytes  # identical on every TP rank (see iter_weight_shard_buckets)
     else:
         from megatron_dapo.model.load import export_megatron_to_hf
 

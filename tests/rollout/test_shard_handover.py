@@ -44,10 +44,10 @@ def test_every_ranks_slices_assemble_the_full_tensors_in_one_file(arch, tp, dtyp
             per_rank[rank].extend(engine_shards(row, layer, megatron, rank, tp, shape))
     # Buckets cut by full-tensor bytes are the same on every rank (the vocab shards differ in size).
     limit = 3000
-    cuts = {rank: [[sh.name for sh in b] for b in bucket_stream(per_rank[rank], limit, size_of=lambda sh: sh.full_nbytes)] for rank in range(tp)}
+    buckets = {rank: list(bucket_stream(per_rank[rank], limit, size_of=lambda sh: sh.full_nbytes)) for rank in range(tp)}
+    cuts = {rank: [[sh.name for sh in b] for b in buckets[rank]] for rank in range(tp)}
     assert all(cuts[rank] == cuts[0] for rank in range(tp)) and len(cuts[0]) > 3
     read_back: dict[str, torch.Tensor] = {}
-    buckets = {rank: list(bucket_stream(per_rank[rank], limit, size_of=lambda sh: sh.full_nbytes)) for rank in range(tp)}
     for index in range(len(cuts[0])):
         path = tmp_path / f"bucket{index}.safetensors"
         for rank in reversed(range(tp)):  # any order: the header is rank 0's, slices are disjoint
