@@ -5,6 +5,10 @@ the n responses of a prompt contiguous) with named fields, so the loop never pas
 "data proto" around. The leader of each data-parallel replica produces its share
 (`generate_and_score`); `gather_samples` gives every rank the whole batch in the same order, so that
 dynamic sampling and advantages are computed identically everywhere.
+
+Token ids and log-probs are 1-D tensors per response (views into one buffer after a gather): they
+travel between ranks as one flat int32 buffer per replica (`pack_samples` / `unpack_samples`), the
+prompt of a group once rather than n times; only the small per-sample fields are pickled.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ class Samples:
 
     uid: list[str]
     """The prompt group of each response (unique within a training step)."""
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_log_probs: list[list[float]]
+    prompt_ids: list[torch.Tensor]
+    """int64 [prompt length] per response (the n responses of a prompt may share one tensor)."""
+    response_ids: list[torch.Tensor]
+    """int64 [response length]."""
+    rollout_log_probs: list[torch.Tensor]
+    """float32 [response length]: the engine's log-prob of each sampled token."""
     truncated: list[bool]
     """Stopped by the length limit (the engine's finish reason)."""
     score: list[float]
@@ -81,11 +88,12 @@ def generate_and_score(
         apply_overlong=apply_overlong,
     )
     log_probs = out.log_probs or [torch.zeros(len(r)) for r in out.response_ids]
+    prompts = [torch.as_tensor(ex.prompt_ids, dtype=torch.long) for ex in examples]
     return Samples(
         uid=[f"{uid_prefix}{i}" for i in out.prompt_index],
-        prompt_ids=[list(ex.prompt_ids) for ex in owners],
-        response_ids=[list(map(int, r)) for r in out.response_ids],
-        rollout_log_probs=[lp.float().tolist() for lp in log_probs],
+        prompt_ids=[prompts[i] for i in out.prompt_index],
+        response_ids=[torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in out.response_ids],
+        rollout_log_probs=[torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in log_probs],
         truncated=[bool(t) for t in out.truncated.tolist()],
         score=rewards.scores.tolist(),
         acc=[bool(a) for a in rewards.acc.tolist()],
@@ -95,11 +103,74 @@ def generate_and_score(
     )
 
 
-def gather_samples(local: Optional[Samples]) -> Samples:
-    """Every rank gets all replicas' samples, replica 0 first (world collective)."""
-    from megatron_dapo.distributed.objects import gather_from_leaders
+def gather_samples(local: Optional[Samples], order_key: Optional[int] = None) -> Samples:
+    """Every rank gets all contributors' samples, in `order_key` order (world collective).
 
-    return Samples.concat(gather_from_leaders(local))
+    Contributors are the ranks with samples (`generate_and_score` returns None on the others);
+    `order_key` defaults to the data-parallel rank, so replica 0's samples come first.
+    """
+    from megatron_dapo.distributed.objects import data_parallel_rank_and_size
+    from megatron_dapo.distributed.tensor_gather import share_from_contributors
+
+    if local is None:
+        shared = share_from_contributors(None, None, None)
+    else:
+        header, payload = pack_samples(local)
+        key = data_parallel_rank_and_size()[0] if order_key is None else order_key
+        shared = share_from_contributors(key, header, payload)
+    return Samples.concat([unpack_samples(header, payload) for header, payload in shared])
+
+
+_TENSOR_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs")
+
+
+def pack_samples(samples: Samples) -> tuple[dict[str, Any], torch.Tensor]:
+    """(header, payload): the small fields as lists, and one flat int32 tensor holding the prompts
+    (each run of responses sharing a prompt sends it once), the responses, then the float32
+    log-probs' bits. `unpack_samples` inverts it exactly (the log-probs bit for bit)."""
+    prompt_runs: list[int] = []  # how many consecutive responses share each distinct prompt
+    prompts: list[torch.Tensor] = []
+    for prompt in samples.prompt_ids:
+        if prompts and (prompt is prompts[-1] or torch.equal(prompt, prompts[-1])):
+            prompt_runs[-1] += 1
+        else:
+            prompts.append(prompt)
+            prompt_runs.append(1)
+    header = {name: value for name, value in samples.as_fields().items() if name not in _TENSOR_FIELDS}
+    header["prompt_runs"] = prompt_runs
+    header["prompt_lengths"] = [int(p.numel()) for p in prompts]
+    header["response_lengths"] = [int(r.numel()) for r in samples.response_ids]
+    for response, log_probs in zip(samples.response_ids, samples.rollout_log_probs):
+        if log_probs.numel() != response.numel():
+            raise ValueError(f"a response has {response.numel()} tokens but {log_probs.numel()} rollout log-probs")
+    parts = [torch.cat(prompts) if prompts else torch.empty(0, dtype=torch.long)]
+    parts.append(torch.cat(samples.response_ids) if len(samples) else torch.empty(0, dtype=torch.long))
+    ids = torch.cat(parts).to(torch.int32)
+    if len(samples):
+        log_probs = torch.cat([lp.to(torch.float32) for lp in samples.rollout_log_probs])
+    else:
+        log_probs = torch.empty(0, dtype=torch.float32)
+    return header, torch.cat([ids, log_probs.view(torch.int32)])
+
+
+def unpack_samples(header: dict[str, Any], payload: torch.Tensor) -> Samples:
+    """The `Samples` that `pack_samples` turned into (header, payload); tensors are views of one buffer."""
+    prompt_lengths, response_lengths = header["prompt_lengths"], header["response_lengths"]
+    num_prompt_tokens, num_response_tokens = sum(prompt_lengths), sum(response_lengths)
+    expected = num_prompt_tokens + 2 * num_response_tokens
+    if payload.numel() != expected:
+        raise ValueError(f"payload has {payload.numel()} values, the header describes {expected}")
+    ids = payload[: num_prompt_tokens + num_response_tokens].long()
+    log_probs = payload[num_prompt_tokens + num_response_tokens :].view(torch.float32)
+    distinct_prompts = torch.split(ids[:num_prompt_tokens], prompt_lengths)
+    prompt_ids = [prompt for prompt, run in zip(distinct_prompts, header["prompt_runs"]) for _ in range(run)]
+    fields = {name: value for name, value in header.items() if name not in ("prompt_runs", "prompt_lengths", "response_lengths")}
+    return Samples(
+        prompt_ids=prompt_ids,
+        response_ids=list(torch.split(ids[num_prompt_tokens:], response_lengths)),
+        rollout_log_probs=list(torch.split(log_probs, response_lengths)),
+        **fields,
+    )
 
 
 def build_policy_batch(
@@ -116,7 +187,7 @@ def build_policy_batch(
 
     rollout = torch.zeros(len(samples), response_width)
     for row, values in enumerate(samples.rollout_log_probs):
-        rollout[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        rollout[row, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
     batch = PolicyBatch.from_token_lists(
         samples.prompt_ids,
         samples.response_ids,
