@@ -117,12 +117,17 @@ class RolloutConfig:
     seed: int = 0
 
 
+FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
+"""Values `algorithm.filter_groups.metric` may name (see `experience.filter_metric`)."""
+
+
 @dataclass
 class FilterGroupsConfig:
     enable: bool = True
     """Dynamic sampling: drop prompt groups whose metric is constant, generate more until full."""
     metric: str = "acc"
-    """Per-sample value compared within a group; the raw accuracy, never the shaped reward."""
+    """Per-sample value compared within a group: acc (correctness, the paper's), score (task score
+    before the overlong penalty) or seq_reward (task score + overlong penalty, what advantages use)."""
     max_num_gen_batches: int = 10
     """Give up after this many generation batches in one step (0 = unlimited)."""
 
@@ -482,6 +487,10 @@ def validate(cfg: Config) -> None:
         "'algorithm.filter_groups.max_num_gen_batches' must be >= 0 (0 = unlimited)",
     )
     _require(a.tis_cap is None or a.tis_cap > 0, f"'algorithm.tis_cap' must be > 0 or null, got {a.tis_cap}")
+    _require(
+        a.filter_groups.metric in FILTER_GROUP_METRICS,
+        f"'algorithm.filter_groups.metric'={a.filter_groups.metric!r} is not one of {', '.join(FILTER_GROUP_METRICS)}",
+    )
     ob = a.overlong_buffer
     if ob.enable:
         _require(ob.len >= 1, f"'algorithm.overlong_buffer.len' must be >= 1 when enabled, got {ob.len}")

@@ -36,7 +36,9 @@ class Samples:
     truncated: list[bool]
     """Stopped by the length limit (the engine's finish reason)."""
     score: list[float]
-    """Reward used for advantages: math score (or the minimum reward) + overlong penalty."""
+    """Reward used for advantages: task score (or the minimum reward) + overlong penalty."""
+    task_score: list[float]
+    """The reward function's score alone, before the overlong penalty (`critic/score/*`)."""
     acc: list[bool]
     pred: list[Any]
     overlong_penalty: list[float]
@@ -96,11 +98,27 @@ def generate_and_score(
         rollout_log_probs=[torch.as_tensor(lp, dtype=torch.float32).reshape(-1) for lp in log_probs],
         truncated=[bool(t) for t in out.truncated.tolist()],
         score=rewards.scores.tolist(),
+        task_score=rewards.raw_scores.tolist(),
         acc=[bool(a) for a in rewards.acc.tolist()],
         pred=list(rewards.preds),
         overlong_penalty=rewards.overlong_penalty.tolist(),
         data_source=[ex.data_source for ex in owners],
     )
+
+
+def filter_metric(samples: Samples, name: str) -> torch.Tensor:
+    """float64 [len(samples)]: the value `algorithm.filter_groups.metric=name` compares within a group."""
+    if name == "acc":
+        values: list = samples.acc
+    elif name == "score":
+        values = samples.task_score
+    elif name == "seq_reward":
+        values = samples.score
+    else:
+        from megatron_dapo.config import FILTER_GROUP_METRICS
+
+        raise ValueError(f"unknown algorithm.filter_groups.metric {name!r}; use one of {', '.join(FILTER_GROUP_METRICS)}")
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def gather_samples(local: Optional[Samples], order_key: Optional[int] = None) -> Samples:
@@ -197,6 +215,7 @@ def build_policy_batch(
         rollout_log_probs=rollout,
     )
     if mask_truncated:
-        keep = ~torch.tensor(samples.truncated, dtype=torch.bool)
-        batch.response_mask = batch.response_valid_mask() & keep[:, None]
+        from megatron_dapo.reward.overlong import overlong_loss_mask
+
+        batch.response_mask = overlong_loss_mask(torch.tensor(samples.truncated, dtype=torch.bool), batch.response_valid_mask())
     return batch

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_dapo.config import Config
-from megatron_dapo.experience import Samples, build_policy_batch, gather_samples, generate_and_score
+from megatron_dapo.experience import Samples, build_policy_batch, filter_metric, gather_samples, generate_and_score
 from megatron_dapo.rollout.base import SamplingParams
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was asked to stop and left a checkpoint
@@ -139,7 +139,8 @@ class DAPOTrainer:
             while not self.buffer.is_full:  # `take` empties the buffer: every step generates at least once
                 samples = self._generate_batch(len(generated))
                 generated.append(samples)
-                self.buffer.add(samples.as_fields(), metric=torch.tensor(samples.acc), group_ids=samples.uid)
+                metric = filter_metric(samples, cfg.algorithm.filter_groups.metric)
+                self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid)
         sampling_stats = self.buffer.stats
         train = Samples.from_fields(self.buffer.take())
         # 2. Group-normalised advantages over the whole train batch (identical on every rank).
@@ -229,18 +230,14 @@ class DAPOTrainer:
         return gather_samples(local)
 
     def _mismatch(self, batch) -> dict[str, float]:
-        """|rollout - trainer| log-prob statistics of the train batch, all replicas pooled."""
+        """|rollout - trainer| log-prob statistics of the train batch, all replicas pooled (`rollout_mismatch/*`)."""
+        from functools import reduce
+
         from megatron_dapo.distributed.objects import gather_from_leaders
         from megatron_dapo.rollout.mismatch import log_prob_mismatch
 
         stats = log_prob_mismatch(batch.rollout_log_probs, batch.old_log_probs, batch.response_valid_mask())
-        parts = gather_from_leaders((stats.sum_abs_diff, stats.sum_k3, stats.num_tokens, stats.max_abs_diff))
-        tokens = max(sum(p[2] for p in parts), 1.0)
-        return {
-            "rollout/mismatch_mean": sum(p[0] for p in parts) / tokens,
-            "rollout/mismatch_max": max(p[3] for p in parts),
-            "rollout/mismatch_k3": sum(p[1] for p in parts) / tokens,
-        }
+        return reduce(lambda a, b: a.merge(b), gather_from_leaders(stats)).as_metrics()
 
     def _sync_weights(self) -> dict[str, float]:
         stats = self.rollout.sync_weights(self.actor.models, self.runtime.hf_config, self.cfg.rollout.weight_sync_bucket_mb)
@@ -248,7 +245,8 @@ class DAPOTrainer:
 
     def _batch_metrics(self, train: Samples, advantages, generated: list[Samples], sampling: dict) -> dict[str, float]:
         f64 = torch.float64
-        scores = torch.tensor(train.score, dtype=f64)
+        scores = torch.tensor(train.task_score, dtype=f64)
+        rewards = torch.tensor(train.score, dtype=f64)
         lengths = torch.tensor([len(x) for x in train.response_ids], dtype=f64)
         prompt_lengths = torch.tensor([len(x) for x in train.prompt_ids], dtype=f64)
         everything = Samples.concat(generated)
@@ -257,13 +255,15 @@ class DAPOTrainer:
             "critic/score/mean": float(scores.mean()),
             "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
-            "critic/rewards/mean": float(scores.mean()),
+            "critic/rewards/mean": float(rewards.mean()),
+            "critic/rewards/max": float(rewards.max()),
+            "critic/rewards/min": float(rewards.min()),
             "critic/advantages/mean": float(advantages.double().mean()),
             "critic/advantages/max": float(advantages.max()),
             "critic/advantages/min": float(advantages.min()),
             "critic/acc/mean": float(torch.tensor(train.acc, dtype=f64).mean()),
             "train/acc_all_generated": float(torch.tensor(everything.acc, dtype=f64).mean()),
-            "train/score_all_generated": float(torch.tensor(everything.score, dtype=f64).mean()),
+            "train/score_all_generated": float(torch.tensor(everything.task_score, dtype=f64).mean()),
             "train/overlong_penalty_mean": float(penalty.mean()),
             "train/overlong_penalised_frac": float((penalty < 0).double().mean()),
             "response_length/mean": float(lengths.mean()),

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 from megatron_dapo.actor.batch import MicroBatch
-from megatron_dapo.algorithm.loss import LOG_RATIO_CLAMP, PolicyLossStats, aggregate, kl_penalty, policy_loss
+from megatron_dapo.algorithm.loss import PolicyLossStats, aggregate, kl_penalty, policy_loss
+from megatron_dapo.rollout.mismatch import truncated_is_weights
 
 __all__ = ["GlobalCounts", "ObjectiveSettings", "STAT_NAMES", "micro_batch_objective", "summarise"]
 
@@ -92,16 +93,6 @@ class GlobalCounts:
     """``R`` of the mini-batch: the default horizon of ``seq-mean-token-sum-norm``."""
 
 
-def _truncated_is_weight(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token ``min(exp(old - rollout), cap)`` (1 on masked tokens) and where the cap bit."""
-    diff = torch.where(mask, old_log_probs - rollout_log_probs, torch.zeros_like(old_log_probs))
-    weight = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    capped = mask & (weight > cap)
-    return weight.clamp(max=cap), capped
-
-
 def micro_batch_objective(
     log_probs: torch.Tensor,
     entropy: Optional[torch.Tensor],
@@ -142,10 +133,11 @@ def micro_batch_objective(
     if settings.tis_cap is not None:
         if mb.rollout_log_probs is None:
             raise ValueError("algorithm.tis_cap is set but the PolicyBatch carries no rollout_log_probs")
-        weight, capped = _truncated_is_weight(old, mb.rollout_log_probs.to(log_probs.dtype), mask, settings.tis_cap)
+        # The same weights (and "capped" = at the cap) as the logged `truncated_is_stats`; 0 on masked tokens.
+        weight = truncated_is_weights(old, mb.rollout_log_probs.to(old.dtype), settings.tis_cap, mask)
         pg = pg * weight  # the weight is data (no gradient), as in the IS estimator
-        tis_weight_sum = torch.where(mask, weight, 0.0).sum()
-        tis_capped_sum = capped.sum().to(log_probs.dtype)
+        tis_weight_sum = weight.sum()
+        tis_capped_sum = (mask & (weight >= torch.tensor(settings.tis_cap, dtype=weight.dtype))).sum().to(log_probs.dtype)
     pg_loss = aggregate(pg, mask, **agg)
     loss = pg_loss
 

@@ -90,7 +90,7 @@ def test_token_mean_objective_matches_the_formulas():
     assert math.isclose(stats["entropy"], float((entropy * m).sum() / n), rel_tol=1e-12)
     assert math.isclose(stats["kl"], float((kl * m).sum() / n), rel_tol=1e-12)
     weight = torch.exp(old - rollout)
-    assert math.isclose(stats["tis_capped_frac"], float(((weight > 1.5) & m.bool()).sum() / n), rel_tol=1e-12)
+    assert math.isclose(stats["tis_capped_frac"], float(((weight >= 1.5) & m.bool()).sum() / n), rel_tol=1e-12)
     assert math.isclose(stats["approx_kl"], float(((old - lp) * m).sum() / n), rel_tol=1e-9)
     assert 0 < stats["clipfrac"] < 1
 

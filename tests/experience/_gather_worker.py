@@ -26,6 +26,7 @@ def make_samples(seed: int, num_prompts: int, n: int):
     return Samples(
         uid=uids, prompt_ids=prompts, response_ids=responses, rollout_log_probs=log_probs,
         truncated=[i % 3 == 0 for i in range(count)], score=[float(i % 2) - 0.25 for i in range(count)],
+        task_score=[float(i % 2) for i in range(count)],
         acc=[i % 2 == 1 for i in range(count)], pred=[None if i % 4 else f"{i}/7" for i in range(count)],
         overlong_penalty=[-0.25 * (i % 3 == 0) for i in range(count)], data_source=["math"] * count,
     )  # fmt: skip

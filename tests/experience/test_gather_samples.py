@@ -33,7 +33,7 @@ def test_equal_prompts_of_different_groups_are_not_merged_across_a_changed_promp
     samples = make_samples(seed=5, num_prompts=2, n=2)
     # Same tokens as the first prompt, but a distinct tensor after a different one: a run of its own.
     samples.prompt_ids.append(samples.prompt_ids[0].clone())
-    for name in ("uid", "truncated", "score", "acc", "pred", "overlong_penalty", "data_source"):
+    for name in ("uid", "truncated", "score", "task_score", "acc", "pred", "overlong_penalty", "data_source"):
         getattr(samples, name).append(getattr(samples, name)[0])
     samples.response_ids.append(torch.tensor([7, 8]))
     samples.rollout_log_probs.append(torch.tensor([-0.5, -1.5]))

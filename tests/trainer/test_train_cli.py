@@ -142,7 +142,7 @@ def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path
     for step in (1, 2):
         # The engine's sampled-token log-probs against the actor's, float32 on both sides: a stale or
         # wrong weight push after step 1 would show up as a large mismatch at step 2.
-        assert metrics[step]["rollout/mismatch_mean"] < 1e-3, metrics[step]
+        assert metrics[step]["rollout_mismatch/mean_abs"] < 1e-3, metrics[step]
         assert metrics[step]["weight_sync/seconds"] > 0
 
 
@@ -166,4 +166,21 @@ def test_two_data_parallel_replicas_each_generate_their_share(demo_workspace, tm
         m = metrics[step]
         # Both replicas' generations were pooled: gen_batch_size prompts per generation batch.
         assert m["train/num_groups_generated"] == 8 * m["train/num_gen_batches"]
-        assert m["actor/grad_norm"] > 0 and m["rollout/mismatch_mean"] < 1e-3
+        assert m["actor/grad_norm"] > 0 and m["rollout_mismatch/mean_abs"] < 1e-3
+
+
+def test_overlong_filter_and_score_metrics(demo_workspace, tmp_path):
+    """`algorithm.overlong_filter=true`: truncated responses (all exactly max_response_length tokens
+    long) leave the loss, so the update counts the train batch's tokens minus theirs. The task score
+    and the reward (score + overlong penalty) are logged apart; groups are filtered on the score."""
+    out = tmp_path / "filter"
+    max_len, samples = 16, 4 * 4  # FAST: rollout.max_response_length=16, train_batch_size=4 x n=4
+    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=1", "algorithm.overlong_filter=true",
+                       "algorithm.filter_groups.metric=score", *workspace_overrides(demo_workspace, out)))  # fmt: skip
+    m = read_metrics(out)[1]
+    clipped = round(m["response_length/clip_ratio"] * samples)
+    assert clipped > 0, "the test needs truncated responses"
+    expected_tokens = m["response_length/mean"] * samples - clipped * max_len
+    assert m["actor/tokens"] == pytest.approx(expected_tokens, abs=1e-6)
+    # Truncated responses are in the overlong buffer: the reward is below the task score.
+    assert m["critic/rewards/mean"] < m["critic/score/mean"]
