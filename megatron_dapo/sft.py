@@ -150,6 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
-    from megatron_dapo.train_cli import guarded
+    from megatron_dapo.train_cli import guarded, resolve_config_argument
 
-    return guarded(lambda: run_sft(load_config(args.config, args.overrides)))
+    def job() -> None:
+        resolve_config_argument(args)
+        run_sft(load_config(args.config, args.overrides))
+
+    return guarded(job)

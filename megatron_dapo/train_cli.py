@@ -1,6 +1,6 @@
 """`megatron-dapo train` and `megatron-dapo sft`: the jobs, on every rank (torchrun, srun or alone).
 
-    megatron-dapo train --config configs/tiny_cpu.yaml [--resume] [key=value ...]
+    megatron-dapo train configs/tiny_cpu.yaml [--resume] [key=value ...]     (or --config configs/tiny_cpu.yaml)
     torchrun --nproc_per_node 2 -m megatron_dapo.cli train --config configs/tiny_cpu.yaml parallel.tp=2
     srun python -m megatron_dapo.cli train --config configs/dapo_qwen2.5_7b.yaml --resume   (see slurm/)
 
@@ -18,8 +18,34 @@ import sys
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config (e.g. configs/tiny_cpu.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2")
+    parser.add_argument(
+        "--config", default=None,
+        help="YAML config (e.g. configs/tiny_cpu.yaml); may also be given as the first positional argument, "
+        "as with `megatron-dapo config` and `plan`",
+    )  # fmt: skip
+    parser.add_argument(
+        "overrides", nargs="*", metavar="[CONFIG] KEY=VALUE",
+        help="the config file (unless --config names it), then dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2",
+    )  # fmt: skip
+
+
+def resolve_config_argument(args: argparse.Namespace) -> None:
+    """Accept `train CONFIG k=v ...` as well as `train --config CONFIG k=v ...`: a first positional
+    argument that is not a dotted override is the config file. Exactly one config must be given
+    (a `config.ConfigError` otherwise, which `guarded` turns into one line and exit code 2)."""
+    from megatron_dapo.config import ConfigError
+
+    positional = list(args.overrides)
+    if positional and "=" not in positional[0]:
+        if args.config is not None:
+            raise ConfigError(f"two config files: --config {args.config} and {positional[0]!r} (give one)")
+        args.config = positional.pop(0)
+    if args.config is None:
+        raise ConfigError("no config file: give one, e.g. `megatron-dapo train configs/tiny_cpu.yaml` (or --config FILE)")
+    for item in positional:
+        if "=" not in item:
+            raise ConfigError(f"{item!r} is not a KEY=VALUE override (only the first positional argument may be the config file)")
+    args.overrides = positional
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,5 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer import train
 
-    return guarded(lambda: train(load_config(args.config, args.overrides), resume=args.resume))
+    def job() -> None:
+        resolve_config_argument(args)
+        train(load_config(args.config, args.overrides), resume=args.resume)
+
+    return guarded(job)
 

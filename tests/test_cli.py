@@ -29,6 +29,37 @@ def test_config_command_prints_resolved_config_or_error():
     assert "Did you mean 'rollout.n'" in bad.stderr
 
 
+def test_train_takes_the_config_positionally_or_with_the_flag():
+    import argparse
+
+    import pytest
+
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.train_cli import add_arguments, resolve_config_argument
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def resolved(*argv):
+        args = parser.parse_args(list(argv))
+        resolve_config_argument(args)
+        return args.config, args.overrides
+
+    assert resolved("c.yaml", "a.b=1") == ("c.yaml", ["a.b=1"])
+    assert resolved("--config", "c.yaml", "a.b=1") == ("c.yaml", ["a.b=1"])
+    assert resolved("a.b=1", "--config", "c.yaml") == ("c.yaml", ["a.b=1"])
+    for argv, message in [(("a.b=1",), "no config file"), (("--config", "c.yaml", "d.yaml"), "two config files"),
+                          (("c.yaml", "a.b=1", "oops"), "'oops' is not a KEY=VALUE")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            resolved(*argv)
+
+
+def test_train_without_a_config_says_how_to_give_one():
+    out = run_cli("train", "trainer.total_steps=1")
+    assert out.returncode == 2
+    assert "no config file" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_demo_runs_sft_then_dapo(tmp_path):
     """The main job, shortened: workspace, 3 SFT steps, 2 DAPO steps with validation before and after."""
     out = run_cli("demo", "--workspace", str(tmp_path / "ws"), "sft.total_steps=3", "sft.batch_size=16",

@@ -175,7 +175,7 @@ def test_overlong_filter_and_score_metrics(demo_workspace, tmp_path):
     and the reward (score + overlong penalty) are logged apart; groups are filtered on the score."""
     out = tmp_path / "filter"
     max_len, samples = 16, 4 * 4  # FAST: rollout.max_response_length=16, train_batch_size=4 x n=4
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=1", "algorithm.overlong_filter=true",
+    _assert_ok(run_cli("train", str(CONFIG), *FAST, "trainer.total_steps=1", "algorithm.overlong_filter=true",  # positional config
                        "algorithm.filter_groups.metric=score", *workspace_overrides(demo_workspace, out)))  # fmt: skip
     m = read_metrics(out)[1]
     clipped = round(m["response_length/clip_ratio"] * samples)
