@@ -105,11 +105,24 @@ class RolloutConfig:
     """Sleep the engine during training to free its KV cache (GPU engines only)."""
     weight_sync_bucket_mb: int = 512
     """Bucket size of the actor -> engine weight stream; peak extra memory is one bucket."""
-    weight_sync_mode: Literal["auto", "gather", "shared_memory"] = "auto"
-    """How TP shards reach the engine: "gather" (all-gather full tensors, then the engine's owner
-    loads them), "shared_memory" (each TP rank writes its own slices into a shared bucket file in
-    /dev/shm that the engine reads: no gather; the TP group must share a node) or "auto"
-    (shared_memory when the actor's TP > 1 and its TP group is on one node, else gather)."""
+    weight_sync_mode: Literal["auto", "gather", "shared_memory", "tp_shards"] = "auto"
+    """How TP shards reach the engine: "gather" (all-gather full tensors, then the engine's owner -
+    with placement spmd every rank - loads them), "shared_memory" (leader placement: each TP rank
+    writes its own slices into a shared bucket file in /dev/shm that the engine reads: no gather;
+    the TP group must share a node), "tp_shards" (spmd placement with rollout.tp = parallel.tp:
+    each rank loads its own slices into its own in-process engine: no gather, no file) or "auto"
+    (spmd: tp_shards when rollout.tp = parallel.tp > 1, else gather; leader: shared_memory when
+    the actor's TP > 1 and its TP group is on one node, else gather)."""
+    placement: Literal["auto", "spmd", "leader"] = "auto"
+    """Where engines run. "spmd": every rank holds its shard of one engine per rollout-TP group of
+    rollout.tp consecutive ranks (vLLM's external_launcher), and the groups split the prompts
+    (vLLM only). "leader": one engine per data-parallel replica on its first rank, which spawns
+    rollout.tp workers on its node while the replica's other ranks wait. "auto": spmd for vLLM,
+    leader for the embedded engine and SGLang."""
+    sleep_level: int = 1
+    """How deeply a GPU engine sleeps during training (rollout.free_cache_engine): 1 frees the KV
+    cache and keeps the weights in host memory, 2 frees the weights too (less host memory; the
+    weight sync after each update is a full push anyway)."""
     val_n: int = 1
     """Samples per prompt during validation (k of avg@k / pass@k)."""
     val_temperature: float = 1.0
@@ -470,6 +483,22 @@ def validate(cfg: Config) -> None:
     _require(0 < r.val_top_p <= 1, f"'rollout.val_top_p' must be in (0, 1], got {r.val_top_p}")
     _require(0 < r.gpu_memory_utilization <= 1, "'rollout.gpu_memory_utilization' must be in (0, 1]")
     _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
+    _require(r.sleep_level in (1, 2), f"'rollout.sleep_level' must be 1 or 2, got {r.sleep_level}")
+    _require(
+        r.placement != "spmd" or r.engine == "vllm",
+        f"'rollout.placement'=spmd needs rollout.engine=vllm (got {r.engine!r}): use placement auto or leader",
+    )
+    spmd = r.placement == "spmd" or (r.placement == "auto" and r.engine == "vllm")
+    _require(
+        r.weight_sync_mode != "tp_shards" or (spmd and r.tp == p.tp),
+        f"'rollout.weight_sync_mode'=tp_shards needs the spmd placement (rollout.engine=vllm, rollout.placement "
+        f"auto or spmd) and rollout.tp = parallel.tp (got {r.tp} and {p.tp}): use auto or gather",
+    )
+    _require(
+        r.weight_sync_mode != "shared_memory" or not spmd,
+        "'rollout.weight_sync_mode'=shared_memory is for rollout.placement=leader (the spmd engine is in-process): "
+        "use auto, gather or tp_shards, or set rollout.placement=leader",
+    )
 
     _require(cfg.sft.total_steps >= 0, f"'sft.total_steps' must be >= 0, got {cfg.sft.total_steps}")
     _require(cfg.sft.batch_size >= 1, f"'sft.batch_size' must be >= 1, got {cfg.sft.batch_size}")

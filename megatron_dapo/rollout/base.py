@@ -15,6 +15,22 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 
+ENGINE_MEMORY_TAGS = ("weights", "kv_cache")
+"""What `RolloutEngine.wake_up(tags)` can bring back separately."""
+
+
+def check_memory_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
+    """The tags `wake_up(tags)` names (None = all), checked against `ENGINE_MEMORY_TAGS`."""
+    if tags is None:
+        return ENGINE_MEMORY_TAGS
+    if isinstance(tags, str):
+        raise TypeError(f"wake_up takes a sequence of tags, e.g. [{tags!r}], not a string")
+    unknown = [tag for tag in tags if tag not in ENGINE_MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; use {list(ENGINE_MEMORY_TAGS)} or None (all)")
+    return tuple(dict.fromkeys(tags))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -78,11 +94,19 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place with HF-named full tensors (streamed, any order)."""
 
-    def sleep(self) -> None:
-        """Free accelerator memory (weights, KV cache) while the actor trains; no-op where unsupported."""
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory while the actor trains; no-op where unsupported.
 
-    def wake_up(self) -> None:
-        """Restore what `sleep` freed, before the next weight push and generation."""
+        Level 1 frees the KV cache and keeps the weights' values (in host memory); level 2 also
+        discards the weights, so the next weight push must be complete (the trainer's always is).
+        """
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Restore what `sleep` freed: the memory of `tags` (`ENGINE_MEMORY_TAGS`), None = all of it.
+
+        The trainer wakes "weights" first, pushes the new weights, then wakes "kv_cache", so the
+        KV cache is not allocated while the weight buckets travel.
+        """
 
     def shutdown(self) -> None:
         """Release processes and memory; the engine is unusable afterwards."""

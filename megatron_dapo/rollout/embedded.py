@@ -33,7 +33,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -448,17 +448,26 @@ class EmbeddedEngine(RolloutEngine):
 
     # ---------------------------------------------------------------------------------- memory
 
-    def sleep(self) -> None:
-        """On CUDA, move the weights to CPU and release cached GPU memory; no-op on CPU."""
+    def sleep(self, level: int = 1) -> None:
+        """On CUDA, move the weights to CPU and release cached GPU memory (both levels); no-op on CPU.
+
+        The KV cache lives only inside a `generate` call, so there is nothing else to free; level 2
+        keeps the weights too (in host memory), which a full push then overwrites.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2 (rollout.sleep_level), got {level}")
         if self.model is None or self._asleep or self.device.type != "cuda":
             return
         self.model.to("cpu")
         torch.cuda.empty_cache()
         self._asleep = True
 
-    def wake_up(self) -> None:
-        """Move the weights back to the GPU after `sleep` (weights loaded while asleep are kept)."""
-        if self.model is None or not self._asleep:
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Move the weights back to the GPU after `sleep` when `tags` includes "weights" (or is None).
+
+        Weights loaded while asleep are kept; "kv_cache" alone has nothing to restore.
+        """
+        if "weights" not in check_memory_tags(tags) or self.model is None or not self._asleep:
             return
         self.model.to(self.device)
         self._asleep = False

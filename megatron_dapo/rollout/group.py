@@ -1,22 +1,39 @@
-"""The rollout engine of one data-parallel replica, as the driver loop sees it.
+"""The rollout engines as the driver loop sees them: placement, generation, weight sync, sleep.
 
-Placement: each replica (the TP x PP x CP ranks that hold one copy of the actor) has one engine,
-created on the replica's first rank (`is_replica_leader`). That rank generates for the replica's
-share of the prompts. On a GPU node the engine shares the leader's GPU with training (colocated;
-`sleep` frees its memory during the update when the engine supports it).
+Placement (`rollout.placement`, see `placement.py`):
 
-Weight sync is a collective of the replica's ranks (pipeline stages broadcast to the first stage)
-in one of two modes (`rollout.weight_sync_mode`, decided once, identically on every rank):
+* "leader": each replica (the TP x PP x CP ranks that hold one copy of the actor) has one engine,
+  created on the replica's first rank (`is_replica_leader`), which generates the replica's share of
+  the prompts. On a GPU node the engine shares the leader's GPU with training (colocated).
+* "spmd" (vLLM): every rank holds its shard of its rollout-TP group's engine (`rollout.tp`
+  consecutive ranks, vLLM's external launcher); all ranks of a group generate the group's share of
+  the prompts together and its first rank hands the results on. Nothing idles while generating,
+  and a node whose tasks own one GPU each works.
 
-* "gather": each parameter's TP shards are all-gathered into full HF tensors and the leader
-  loads them into its engine (works anywhere, including a TP group spread over nodes);
-* "shared_memory": the first stage's TP ranks each write only their own slices into a shared
-  bucket file in /dev/shm that the engine reads (`shard_handover`): no TP gather, 1/TP of the
-  bytes per rank, written in parallel. It needs the leader's TP group on one node.
+`data_rank` / `data_size` say which share of the prompts this rank's engine generates (the actor's
+data-parallel rank and size in the leader placement, the rollout-DP rank and size in spmd);
+`is_leader` says whether this rank's generation results are the ones to gather.
 
-"auto" takes shared_memory when the actor's TP > 1 and the leader's TP group shares a node, except
-for the embedded engine on a GPU (there the NCCL gather lands directly in GPU memory, while the
-file path would go through host memory); otherwise gather.
+Weight sync is a collective of the actor's model-parallel ranks (pipeline stages broadcast) in one
+of these modes (`rollout.weight_sync_mode`, decided at the first sync, identically on every rank):
+
+* "gather": each parameter's TP shards are all-gathered into full HF tensors and the engine's
+  owner loads them (leader: the leader rank; spmd: every rank, into its own engine, whose loaders
+  take that rank's slice). Works anywhere, any rollout TP.
+* "shared_memory" (leader placement): the first stage's TP ranks each write only their own slices
+  into a shared bucket file in /dev/shm that the engine reads (`shard_handover`): no TP gather.
+  Needs the leader's TP group on one node.
+* "tp_shards" (spmd, rollout TP = actor TP): each rank loads its own slices into its own
+  in-process engine (`spmd_sync`): no gather, no file.
+
+"auto": spmd -> tp_shards when rollout TP = actor TP > 1, else gather; leader -> shared_memory when
+the actor's TP > 1 and the leader's TP group shares a node, except for the embedded engine on a GPU
+(there the NCCL gather lands directly in GPU memory, while the file path would go through host
+memory); otherwise gather.
+
+Sleep: `sleep(level)` frees the engines' accelerator memory during the update (`rollout.
+free_cache_engine`, level `rollout.sleep_level`); `wake_up(tags)` brings back "weights" and/or
+"kv_cache" (None = both), so the trainer can push weights before the KV cache returns.
 """
 
 from __future__ import annotations
@@ -27,11 +44,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_dapo.distributed.objects import gather_objects, is_replica_leader
+from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.placement import SpmdSlot, resolve_placement
 
-def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> RolloutEngine:
-    """The engine `cfg.rollout.engine` names, loaded from `hf_dir` (weights are replaced by the first sync)."""
+SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
+
+
+def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device, placement: str = "leader") -> RolloutEngine:
+    """The engine `cfg.rollout.engine` names, loaded from `hf_dir` (weights are replaced by the first sync).
+
+    `placement="spmd"` (vLLM only) is a collective: every rank of the world calls it at once.
+    """
     r = cfg.rollout
     max_model_len = r.max_prompt_length + r.max_response_length + 8
     if r.engine == "embedded":
@@ -53,6 +77,7 @@ def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> Ro
             max_model_len=max_model_len,
             seed=r.seed,
             weight_bucket_mb=r.weight_sync_bucket_mb,
+            placement=placement,
             **kwargs,
         )
     if r.engine == "sglang":
@@ -70,12 +95,34 @@ def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> Ro
     raise ValueError(f"unknown rollout.engine {r.engine!r}")
 
 
-def choose_sync_mode(requested: str, tp_size: int, tp_group_hosts: Sequence[str], engine_kind: str, device_type: str) -> str:
+def choose_sync_mode(
+    requested: str,
+    tp_size: int,
+    tp_group_hosts: Sequence[str],
+    engine_kind: str,
+    device_type: str,
+    placement: str = "leader",
+    rollout_tp: Optional[int] = None,
+) -> str:
     """The weight-sync mode for `rollout.weight_sync_mode=requested` (see the module doc); pure.
 
-    `tp_group_hosts` are the host names of the engine leader's TP group. Raises ValueError when
-    "shared_memory" is asked for a TP group spread over several nodes.
+    `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
+    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises ValueError for a
+    mode the placement cannot use.
     """
+    if requested not in SYNC_MODES:
+        raise ValueError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
+    if placement == "spmd":
+        same_tp = rollout_tp == tp_size
+        if requested == "shared_memory":
+            raise ValueError("rollout.weight_sync_mode=shared_memory is for rollout.placement=leader; with spmd use auto, gather or tp_shards")
+        if requested == "tp_shards" and not same_tp:
+            raise ValueError(f"rollout.weight_sync_mode=tp_shards needs rollout.tp = parallel.tp (got {rollout_tp} and {tp_size}): use auto or gather")
+        if requested == "auto":
+            return "tp_shards" if same_tp and tp_size > 1 else "gather"
+        return requested
+    if requested == "tp_shards":
+        raise ValueError("rollout.weight_sync_mode=tp_shards needs rollout.placement=spmd (vLLM): use auto, gather or shared_memory")
     one_node = len(set(tp_group_hosts)) <= 1
     if requested == "gather":
         return "gather"
@@ -86,8 +133,6 @@ def choose_sync_mode(requested: str, tp_size: int, tp_group_hosts: Sequence[str]
                 "(use gather or auto)"
             )
         return "shared_memory"
-    if requested != "auto":
-        raise ValueError(f"unknown rollout.weight_sync_mode {requested!r} (auto, gather or shared_memory)")
     if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
         return "shared_memory"
     return "gather"
@@ -107,8 +152,14 @@ def _leader_tp_group_hosts() -> list[str]:
     return [host for pp_rank, cp_rank, host in entries if pp_rank == 0 and cp_rank == 0]
 
 
+def _actor_tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+
+
 class RolloutGroup:
-    """One replica's engine: present on the leader rank, None elsewhere; and the way weights reach it."""
+    """This rank's part of the rollout: its engine (or None), its share of the prompts, and weight sync."""
 
     def __init__(
         self,
@@ -117,56 +168,102 @@ class RolloutGroup:
         sync_mode: str = "auto",
         engine_kind: str = "embedded",
         device_type: str = "cpu",
+        sleep_level: int = 1,
+        spmd: Optional[SpmdSlot] = None,
     ) -> None:
+        """`spmd` is this rank's slot in the spmd placement (None: leader placement)."""
+        if sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {sleep_level}")
+        if spmd is not None and engine is None:
+            raise ValueError("in the spmd placement every rank holds an engine")
         self.engine = engine
         self.free_cache = free_cache
         self.requested_sync_mode = sync_mode
         self.engine_kind = engine_kind
         self.device_type = device_type
+        self.sleep_level = sleep_level
+        self.spmd = spmd
         self.sync_mode: Optional[str] = None
-        """The mode in use, decided at the first `sync_weights` ("gather" or "shared_memory")."""
+        """The mode in use, decided at the first `sync_weights` ("gather", "shared_memory" or "tp_shards")."""
         self._handover = None
+        self._shard_target = None
 
     @classmethod
     def create(cls, cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> "RolloutGroup":
         if not (Path(hf_dir) / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_dir={hf_dir} has no config.json (the rollout engine starts from it)")
-        engine = make_engine(cfg, hf_dir, device) if is_replica_leader() else None
+        r = cfg.rollout
+        slot = None
+        if resolve_placement(r.placement, r.engine) == "spmd":
+            import torch.distributed as dist
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            slot = SpmdSlot(rank, world, r.tp)
+            engine = make_engine(cfg, hf_dir, device, placement="spmd")
+        else:
+            engine = make_engine(cfg, hf_dir, device) if is_replica_leader() else None
         return cls(
             engine,
-            free_cache=cfg.rollout.free_cache_engine,
-            sync_mode=cfg.rollout.weight_sync_mode,
-            engine_kind=cfg.rollout.engine,
+            free_cache=r.free_cache_engine,
+            sync_mode=r.weight_sync_mode,
+            engine_kind=r.engine,
             device_type=device.type,
+            sleep_level=r.sleep_level,
+            spmd=slot,
         )
 
     @property
+    def placement(self) -> str:
+        return "leader" if self.spmd is None else "spmd"
+
+    @property
     def is_leader(self) -> bool:
-        return self.engine is not None
+        """True where this rank's generation results are the ones handed on (gathered to all ranks)."""
+        return self.spmd.hands_on_results if self.spmd is not None else self.engine is not None
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the prompts this rank's engine generates."""
+        return self.spmd.data_rank if self.spmd is not None else data_parallel_rank_and_size()[0]
+
+    @property
+    def data_size(self) -> int:
+        """Into how many shares the prompts are split (engines generating independently)."""
+        return self.spmd.data_size if self.spmd is not None else data_parallel_rank_and_size()[1]
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Optional[GenerationOutput]:
-        """The leader generates; other ranks return None (results travel with `gather_from_leaders`)."""
+        """Generate where this rank takes part; the result only where `is_leader`, None elsewhere.
+
+        spmd: every rank of a rollout-TP group must call this with the same prompts and params.
+        """
         if self.engine is None:
             return None
-        return self.engine.generate(prompt_ids, params)
+        out = self.engine.generate(prompt_ids, params)
+        return out if self.is_leader else None
 
     def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float):
-        """Push the actor's weights into the engine (collective over every rank; see the module doc)."""
+        """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""
         from megatron_dapo.rollout.weight_sync import sync_weights
 
         if self.sync_mode is None:
             self.sync_mode = self._decide_sync_mode()
         if self.sync_mode == "shared_memory":
-            return sync_weights(models, hf_config, self._shard_target(), bucket_mb=bucket_mb, tp_shards=True)
+            return sync_weights(models, hf_config, self._handover_target(), bucket_mb=bucket_mb, tp_shards=True)
+        if self.sync_mode == "tp_shards":
+            return sync_weights(models, hf_config, self._in_process_target(), bucket_mb=bucket_mb, tp_shards=True)
         return sync_weights(models, hf_config, self.engine, bucket_mb=bucket_mb)
 
     def _decide_sync_mode(self) -> str:
         from megatron.core import parallel_state as ps
 
         tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        if self.spmd is not None:
+            return choose_sync_mode(
+                self.requested_sync_mode, tp_size, [], self.engine_kind, self.device_type, placement="spmd", rollout_tp=self.spmd.tp
+            )
         return choose_sync_mode(self.requested_sync_mode, tp_size, _leader_tp_group_hosts(), self.engine_kind, self.device_type)
 
-    def _shard_target(self):
+    def _handover_target(self):
         """The first pipeline stage's `SharedMemoryHandover` (made once, collectively); None on later stages."""
         from megatron.core import parallel_state as ps
 
@@ -175,18 +272,28 @@ class RolloutGroup:
         if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0):
             return None
         if self._handover is None:
-            group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
-            self._handover = SharedMemoryHandover.create(self.engine, group)
+            self._handover = SharedMemoryHandover.create(self.engine, _actor_tp_group())
         return self._handover
 
-    def sleep(self) -> None:
-        """Free the engine's GPU memory for the update (no-op on CPU or when disabled)."""
-        if self.engine is not None and self.free_cache:
-            self.engine.sleep()
+    def _in_process_target(self):
+        """This rank's `spmd_sync.InProcessShardTarget` (made once; checks the TP groups coincide)."""
+        from megatron_dapo.rollout.spmd_sync import InProcessShardTarget
 
-    def wake_up(self) -> None:
+        if self._shard_target is None:
+            self._shard_target = InProcessShardTarget.create(self.engine, _actor_tp_group())
+        return self._shard_target
+
+    def sleep(self, level: Optional[int] = None) -> None:
+        """Free the engine's accelerator memory for the update (`level` None: rollout.sleep_level).
+
+        A no-op where rollout.free_cache_engine is off or the engine cannot sleep (CPU)."""
         if self.engine is not None and self.free_cache:
-            self.engine.wake_up()
+            self.engine.sleep(self.sleep_level if level is None else level)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Bring back the memory of `tags` ("weights", "kv_cache"; None = all) before syncing / generating."""
+        if self.engine is not None and self.free_cache:
+            self.engine.wake_up(tags)
 
     def close_weight_sync(self) -> None:
         """Remove the shared-memory bucket directory, if any (the next sync makes a new one)."""
@@ -196,6 +303,7 @@ class RolloutGroup:
 
     def shutdown(self) -> None:
         self.close_weight_sync()
+        self._shard_target = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

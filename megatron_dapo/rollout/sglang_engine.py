@@ -42,10 +42,13 @@ Buckets are sent with `flush_cache=False`; the radix cache is flushed once, befo
 `generate`, because one update may span many `load_weights` calls. SGLang's model loaders take
 HF-named full tensors and shard/fuse them themselves, in any order and any grouping.
 
-Memory. With `enable_memory_saver` (default on) `sleep` releases weights and KV cache
-(`release_memory_occupation`) and `wake_up` re-allocates them. The weights' CONTENT is not kept
-unless the engine is started with `enable_weights_cpu_backup=True`, so the trainer must push full
-weights after every wake-up (it does: wake_up -> sync -> generate -> sleep).
+Memory. With `enable_memory_saver` (default on) `sleep(level)` releases all of the engine's GPU
+memory (`release_memory_occupation()`: weights, KV cache, CUDA graphs) at either level, and
+`wake_up(tags)` re-allocates it (`resume_memory_occupation(tags=[...])`, SGLang's tags "weights"
+and "kv_cache"; the CUDA graphs come back with the KV cache, or everything with `wake_up()`). The
+weights' CONTENT is not kept unless the engine is started with `enable_weights_cpu_backup=True`
+(so level 1 behaves like level 2): the trainer pushes full weights after every wake-up (sleep ->
+wake weights -> sync -> wake KV cache -> generate).
 
 `named_weights` is not offered: SGLang only exposes truncated views of single parameters
 (`get_weights_by_name`), which cannot prove a full sync.
@@ -58,8 +61,8 @@ from typing import Any, Iterable, Literal, Optional, Sequence
 
 import torch
 
-from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from megatron_dapo.rollout.vllm_engine import iter_buckets
+from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
+from megatron_dapo.rollout.bucketing import iter_buckets
 
 _INSTALL_HINT = (
     "the SGLang rollout engine needs SGLang: `pip install 'megatron-dapo[sglang]'` "
@@ -68,6 +71,15 @@ _INSTALL_HINT = (
 
 _DEFAULT_BUCKET_MB = 512
 FINISH_LENGTH = "length"
+
+
+def _graph_tags() -> list[str]:
+    """SGLang's memory tag of CUDA-graph buffers, woken together with the KV cache (newer SGLang only)."""
+    try:
+        from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
+    except ImportError:
+        return []
+    return [GPU_MEMORY_TYPE_CUDA_GRAPH]
 
 
 def _import_sglang():
@@ -170,7 +182,7 @@ class SGLangEngine(RolloutEngine):
         self._tp_size = tensor_parallel_size
         self._bucket_bytes = int(weight_bucket_mb * 2**20)
         self._memory_saver = enable_memory_saver
-        self._asleep = False
+        self._asleep_tags: set[str] = set()
         self._cache_stale = False
         # Buckets go to SGLang as CUDA IPC handles: tensors must sit on this process's GPU.
         self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -239,20 +251,29 @@ class SGLangEngine(RolloutEngine):
 
     # ---- memory ---------------------------------------------------------------------------------
 
-    def sleep(self) -> None:
-        """Release weights and KV cache (their content is lost: push full weights after `wake_up`)."""
-        if self._memory_saver and not self._asleep:
+    def sleep(self, level: int = 1) -> None:
+        """Release weights and KV cache at either level (their content is lost: push full weights after `wake_up`)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2 (rollout.sleep_level), got {level}")
+        if self._memory_saver and not self._asleep_tags:
             self._require_engine().release_memory_occupation()
-            self._asleep = True
+            self._asleep_tags = set(ENGINE_MEMORY_TAGS)
 
-    def wake_up(self) -> None:
-        if self._memory_saver and self._asleep:
-            self._require_engine().resume_memory_occupation()
-            self._asleep = False
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Re-allocate the memory of `tags` ("weights", "kv_cache"; None = all) that `sleep` released."""
+        waking = [tag for tag in check_memory_tags(tags) if tag in self._asleep_tags]
+        if not waking:
+            return
+        engine = self._require_engine()
+        if len(waking) == len(ENGINE_MEMORY_TAGS):
+            engine.resume_memory_occupation()  # everything, CUDA graphs included
+        else:
+            engine.resume_memory_occupation(tags=[*waking, *_graph_tags()] if "kv_cache" in waking else waking)
+        self._asleep_tags.difference_update(waking)
 
     @property
     def is_sleeping(self) -> bool:
-        return self._asleep
+        return bool(self._asleep_tags)
 
     def shutdown(self) -> None:
         engine, self._engine = self._engine, None
@@ -264,10 +285,11 @@ class SGLangEngine(RolloutEngine):
             raise RuntimeError("the SGLang engine was shut down")
         return self._engine
 
-    def _awake_engine(self):
+    def _awake_engine(self, need: Sequence[str] = ENGINE_MEMORY_TAGS):
         engine = self._require_engine()
-        if self._asleep:
-            raise RuntimeError("the SGLang engine is asleep: call wake_up() before pushing weights or generating")
+        asleep = sorted(self._asleep_tags.intersection(need))
+        if asleep:
+            raise RuntimeError(f"the SGLang engine is asleep ({asleep}): call wake_up() before pushing weights or generating")
         return engine
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -53,6 +53,7 @@ from megatron_dapo.model.mapping import (
     ModelShape,
     layer_location,
 )
+from megatron_dapo.rollout.bucketing import bucket_stream, tensor_item_nbytes as _nbytes
 from megatron_dapo.safetensors_format import tensor_nbytes
 
 __all__ = [
@@ -82,31 +83,6 @@ def _bucket_limit(bucket_mb: float) -> int:
     if not bucket_mb > 0:
         raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb} (rollout.weight_sync_bucket_mb)")
     return max(1, int(bucket_mb * MIB))
-
-
-def _nbytes(item: Any) -> int:
-    tensor = item.tensor if isinstance(item, EngineShard) else item[1]
-    return tensor.numel() * tensor.element_size()
-
-
-def bucket_stream(items: Iterable[Any], bucket_bytes: int, size_of: Callable[[Any], int] = _nbytes) -> Iterator[list[Any]]:
-    """Group a stream of (name, tensor) pairs (or `EngineShard`s) into lists of at most `bucket_bytes`.
-
-    Order is kept. An item larger than `bucket_bytes` forms a bucket of its own. Only the bucket
-    being filled is held, so the caller must finish with one bucket before asking for the next.
-    `size_of` measures an item (default: its tensor's bytes).
-    """
-    bucket: list[Any] = []
-    size = 0
-    for item in items:
-        nbytes = size_of(item)
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(item)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The `slurm` marker is registered here (select or deselect with `-m slurm` / `-m "not slurm"`).
 If SLURM is missing and cannot be installed (not root, no package registry), the tests fail when
-CI is set (CI=true: the sbatch path must always be tested there) and are skipped otherwise.
+CI is set (`tests/ci.py`: the sbatch path must always be tested there) and are skipped otherwise.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ci import skip_or_fail  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 from cluster import SlurmCluster, SlurmUnavailable, ensure_installed  # noqa: E402
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: runs jobs through a real SLURM cluster started on localhost")
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="session")
@@ -35,9 +32,7 @@ def slurm_cluster(request):
         if os.geteuid() != 0:
             raise SlurmUnavailable("the throw-away cluster runs its daemons as root and this is not root")
     except SlurmUnavailable as exc:
-        if _in_ci():
-            pytest.fail(f"SLURM is required under CI but unavailable: {exc}", pytrace=False)
-        pytest.skip(f"SLURM unavailable: {exc}")
+        skip_or_fail(f"SLURM unavailable: {exc}")
     # Not under pytest's tmp_path: its parents are mode 0700, and munged refuses a socket whose
     # parent directories are not searchable by all. /tmp (1777) is accepted.
     root = Path(tempfile.mkdtemp(prefix="megatron-dapo-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))

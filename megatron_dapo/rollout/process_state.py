@@ -1,0 +1,111 @@
+"""Keep a colocated inference engine from changing the trainer's process-wide settings.
+
+In the SPMD placement vLLM builds its worker inside the trainer's own process, and its CPU worker
+changes things that belong to the whole process (vLLM 0.32, `v1/worker/cpu_worker.py`,
+`platforms/cpu.py`): it replaces `torch.set_num_threads` with a stub that only warns, binds the
+process's memory to one NUMA node (`init_cpu_memory_env`: a `set_mempolicy` MPOL_BIND), reseeds
+torch's global generators (`set_random_seed`), and rewrites environment variables (`LOCAL_WORLD_SIZE`
+becomes the engine's TP size, `LD_PRELOAD` gains tcmalloc / libgomp for later child processes,
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, ...). Left in place, Megatron would lose its thread count
+setter, allocate only on the engine's node, train with a reseeded generator, and spawn reward
+workers with another preload. `preserved_process_state` puts all of it back once the engine is
+built (the engine keeps working: it read what it needed while starting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import random
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+# set_mempolicy / get_mempolicy syscall numbers (not exported by Python's os module).
+_MEMPOLICY_SYSCALLS = {"x86_64": (238, 239), "aarch64": (237, 236), "ppc64le": (261, 260), "s390x": (270, 269)}
+_NODEMASK_WORDS = 16  # 1024 NUMA nodes
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    mode: int
+    nodemask: tuple[int, ...]
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    if platform.system() != "Linux" or platform.machine() not in _MEMPOLICY_SYSCALLS:
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def get_memory_policy() -> Optional[MemoryPolicy]:
+    """This thread's NUMA memory policy (Linux), or None where it cannot be read."""
+    libc = _libc()
+    if libc is None:
+        return None
+    _, get_number = _MEMPOLICY_SYSCALLS[platform.machine()]
+    mode = ctypes.c_int(0)
+    mask = (ctypes.c_ulong * _NODEMASK_WORDS)()
+    if libc.syscall(get_number, ctypes.byref(mode), mask, ctypes.c_ulong(_NODEMASK_WORDS * 64), None, ctypes.c_ulong(0)) != 0:
+        return None
+    return MemoryPolicy(mode.value, tuple(mask))
+
+
+def set_memory_policy(policy: MemoryPolicy) -> bool:
+    """Restore a policy read by `get_memory_policy`; False if the kernel refused it."""
+    libc = _libc()
+    if libc is None:
+        return False
+    set_number, _ = _MEMPOLICY_SYSCALLS[platform.machine()]
+    if policy.mode == 0:  # MPOL_DEFAULT takes no node mask
+        return libc.syscall(set_number, ctypes.c_int(0), None, ctypes.c_ulong(0)) == 0
+    mask = (ctypes.c_ulong * _NODEMASK_WORDS)(*policy.nodemask)
+    # The kernel reads maxnode - 1 bits: pass one more than the mask holds.
+    return libc.syscall(set_number, ctypes.c_int(policy.mode), mask, ctypes.c_ulong(_NODEMASK_WORDS * 64 + 1)) == 0
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    for key in [key for key in os.environ if key not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+@contextlib.contextmanager
+def preserved_process_state() -> Iterator[None]:
+    """Run the body, then restore environment, torch threads and their setter, RNGs and NUMA policy."""
+    environment = dict(os.environ)
+    threads, interop_setter, thread_setter = torch.get_num_threads(), torch.set_num_interop_threads, torch.set_num_threads
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    python_rng = random.getstate()
+    try:
+        import numpy
+
+        numpy_rng = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch here
+        numpy, numpy_rng = None, None
+    memory_policy = get_memory_policy()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = thread_setter
+        torch.set_num_interop_threads = interop_setter
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        _restore_environment(environment)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+        if memory_policy is not None and get_memory_policy() != memory_policy:
+            set_memory_policy(memory_policy)
