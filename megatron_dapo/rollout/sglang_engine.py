@@ -220,7 +220,7 @@ class SGLangEngine(RolloutEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named full tensors into SGLang bucket by bucket; the cache is flushed before generating."""
-        engine = self._awake_engine()
+        engine = self._awake_engine(need=("weights",))
         multi_dtype = bool(getattr(self._bucket_class, "supports_multi_dtypes", False))
         split_on_dtype = self._load_format == "flattened_bucket" and not multi_dtype
         for bucket in iter_buckets(weights, self._bucket_bytes, device=self._device, split_on_dtype=split_on_dtype):

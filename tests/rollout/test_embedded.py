@@ -354,6 +354,14 @@ def test_sleep_wake_and_shutdown(tiny_model_dirs):
     engine.sleep()
     engine.wake_up()
     assert engine.generate(PROMPTS, params).response_ids == before
+    engine.sleep(level=2)  # the trainer's order: weights, push, KV cache (CPU: nothing moves)
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    assert engine.generate(PROMPTS, params).response_ids == before
+    with pytest.raises(ValueError, match="1 or 2"):
+        engine.sleep(level=0)
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.wake_up(["scheduling"])
     with engine:
         pass
     with pytest.raises(RuntimeError, match="shut down"):
@@ -369,7 +377,9 @@ def test_sleep_moves_weights_off_the_gpu(tiny_model_dirs):
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(PROMPTS, params)
-    engine.wake_up()
+    engine.wake_up(["kv_cache"])  # the KV cache alone brings back nothing
+    assert all(p.device.type == "cpu" for p in engine.model.parameters())
+    engine.wake_up(["weights"])
     assert all(p.device.type == "cuda" for p in engine.model.parameters())
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
     assert engine.generate(PROMPTS, params).response_ids == before

@@ -49,11 +49,13 @@ class FakeSGLang:
             def flush_cache(self):
                 fake.calls.append(("flush_cache", {}))
 
-            def release_memory_occupation(self):
-                fake.calls.append(("release_memory_occupation", {}))
+            # SGLang: release_memory_occupation(tags: Optional[List[str]] = None), same for resume;
+            # keyword-only here, so the log shows exactly what was passed.
+            def release_memory_occupation(self, **kwargs):
+                fake.calls.append(("release_memory_occupation", kwargs))
 
-            def resume_memory_occupation(self):
-                fake.calls.append(("resume_memory_occupation", {}))
+            def resume_memory_occupation(self, **kwargs):
+                fake.calls.append(("resume_memory_occupation", kwargs))
 
             def shutdown(self):
                 fake.calls.append(("shutdown", {}))
@@ -115,10 +117,12 @@ class FakeSGLang:
             "sglang.srt.patch_torch": types.ModuleType("sglang.srt.patch_torch"),
             "sglang.srt.weight_sync": types.ModuleType("sglang.srt.weight_sync"),
             "sglang.srt.weight_sync.tensor_bucket": types.ModuleType("sglang.srt.weight_sync.tensor_bucket"),
+            "sglang.srt.constants": types.ModuleType("sglang.srt.constants"),
             "sglang.srt.model_executor": None,  # not present: the adapter must not need it
             "sglang.srt.model_executor.model_runner": None,
         }
         self.modules["sglang"].Engine = Engine
+        self.modules["sglang.srt.constants"].GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
         self.modules["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
         self.modules["sglang.srt.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions
         if with_bucket:
@@ -388,6 +392,28 @@ def test_sleep_wake_and_shutdown(fake, tmp_path):
     assert fake.names()[-1] == "shutdown" and fake.names().count("shutdown") == 1
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(PROMPTS, SamplingParams())
+
+    # The trainer's order with level 2: sleep -> wake weights -> full push -> wake KV cache (and graphs).
+    engine = make_engine(tmp_path)
+    fake.clear()
+    engine.sleep(level=2)
+    engine.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match=r"asleep \(\['kv_cache'\]\)"):
+        engine.generate(PROMPTS, SamplingParams())
+    engine.load_weights(_pushed_weights())  # weights awake: allowed
+    engine.wake_up(["kv_cache"])
+    engine.wake_up(["kv_cache"])  # already awake: nothing more
+    engine.generate(PROMPTS, SamplingParams())
+    memory_calls = [call for call in fake.calls if call[0].endswith("memory_occupation")]
+    assert memory_calls == [
+        ("release_memory_occupation", {}),
+        ("resume_memory_occupation", {"tags": ["weights"]}),
+        ("resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+    ]
+    with pytest.raises(ValueError, match="1 or 2"):
+        engine.sleep(level=3)
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.wake_up(["cuda_graph"])
 
     without_saver = make_engine(tmp_path, enable_memory_saver=False)
     fake.clear()
