@@ -146,6 +146,27 @@ def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path
         assert metrics[step]["weight_sync/seconds"] > 0
 
 
+def test_spmd_vllm_tp2_steps_equal_the_leader_placement(demo_workspace, tmp_path, require_vllm):
+    """TP=2 actor over two processes with a TP=2 vLLM engine: `rollout.placement=spmd` (each process
+    holds one engine shard, weights handed over in-process per rank: tp_shards) against the leader
+    placement (rank 0's engine spawns two vLLM workers; shared-memory hand-over). Same seeds, same
+    weights: the two steps must log the same values (wall-clock ones aside)."""
+    runs = {}
+    for placement in ("spmd", "leader"):
+        out = tmp_path / placement
+        proc = run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm", "parallel.tp=2",
+                       "rollout.tp=2", f"rollout.placement={placement}", *workspace_overrides(demo_workspace, out), nproc=2, timeout=600)  # fmt: skip
+        _assert_ok(proc)
+        assert f"weight sync: {'tp_shards' if placement == 'spmd' else 'shared_memory'}" in proc.stdout, proc.stdout[-2000:]
+        runs[placement] = read_metrics(out)
+    assert sorted(runs["spmd"]) == sorted(runs["leader"]) == [1, 2]
+    for step in (1, 2):
+        spmd, leader = deterministic(runs["spmd"][step]), deterministic(runs["leader"][step])
+        problems = _same(spmd, leader)
+        assert not problems, f"step {step}: spmd differs from leader:\n" + "\n".join(problems[:20])
+        assert spmd["rollout_mismatch/mean_abs"] < 1e-3
+
+
 def test_dynamic_sampling_that_runs_dry_says_what_to_change(demo_workspace, tmp_path):
     """The untrained model answers nothing right: every group is all-wrong and the step cannot fill."""
     proc = run_cli("train", "--config", str(CONFIG), *FAST[:-1], "algorithm.filter_groups.max_num_gen_batches=2",
