@@ -19,6 +19,8 @@ engine on rank 0. Measured in one run, median of `--iters` after one warm-up:
   (`sync_weights`, which ends with vLLM's commit: layer-wise reload and CPU re-packing) versus the
   time that engine takes to generate one batch (`--gen-prompts` x `--gen-n` responses of up to
   `--gen-tokens` tokens); at TP > 1 in both sync modes, with a vLLM engine of `--vllm-tp` workers;
+* with `--spmd` as well: the same push and generation with `rollout.placement=spmd` (each rank one
+  vLLM shard in its own process; weights handed over in-process, `tp_shards` when --tp = --vllm-tp);
 * peak extra memory of a sync, last (it changes the allocator): exactly, the bytes of streamed
   tensors alive at once (weak references); and on each rank the resident-set high-water mark during
   the sync minus the resident set before it (Linux: VmHWM reset through /proc/self/clear_refs, glibc
@@ -29,6 +31,7 @@ engine on rank 0. Measured in one run, median of `--iters` after one warm-up:
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_reshard.py --tp 2
     python benchmarks/bench_reshard.py --vllm                       # + the vLLM push vs generate
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_reshard.py --tp 2 --vllm --vllm-tp 2
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_reshard.py --tp 2 --vllm --vllm-tp 2 --spmd
 """
 
 from __future__ import annotations
@@ -227,6 +230,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--vllm", action="store_true", help="also time a push into vLLM against one generation batch")
     parser.add_argument("--vllm-tp", type=int, default=1, help="tensor-parallel size of that vLLM engine (default 1)")
+    parser.add_argument("--spmd", action="store_true", help="with --vllm: also time push and generation with rollout.placement=spmd")
     parser.add_argument("--gen-prompts", type=int, default=8)
     parser.add_argument("--gen-n", type=int, default=4)
     parser.add_argument("--gen-tokens", type=int, default=64)
@@ -401,7 +405,46 @@ def vllm_push_vs_generate(args, models, hf_cfg, model_dir: Path, rank0: bool) ->
         result["push_over_generate"] = push_s / result["generate_seconds"]
         engine.shutdown()
     dist.barrier()
+    if args.spmd:
+        result["spmd"] = spmd_push_and_generate(args, models, hf_cfg, model_dir, prompts, sampling)
     return result
+
+
+def spmd_push_and_generate(args, models, hf_cfg, model_dir: Path, prompts, sampling) -> dict:
+    """The same push and generation with `rollout.placement=spmd`: every rank holds one vLLM shard
+    (external_launcher, `--vllm-tp` = world size here: one rollout-TP group generating the same batch
+    as the leader engine above), weights handed over in-process (tp_shards when --tp = --vllm-tp)."""
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.group import RolloutGroup
+    from megatron_dapo.rollout.placement import SpmdSlot
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+    started = time.perf_counter()
+    engine = VLLMEngine(str(model_dir), tensor_parallel_size=args.vllm_tp, dtype="float32", max_model_len=args.prompt_length + args.gen_tokens + 8,
+                        kv_cache_memory_bytes=512 << 20, weight_bucket_mb=512, placement="spmd")  # fmt: skip
+    start_s = time.perf_counter() - started
+    group = RolloutGroup(engine, sync_mode="auto", engine_kind="vllm", spmd=SpmdSlot(dist.get_rank(), dist.get_world_size(), args.vllm_tp))
+    try:
+        push_s, stats = timed(lambda: group.sync_weights(models, hf_cfg, 512), args.iters)
+        engine.generate(prompts, sampling)  # warm-up
+        times, tokens = [], 0
+        for _ in range(args.iters):
+            dist.barrier()
+            started = time.perf_counter()
+            out = engine.generate(prompts, sampling)
+            times.append(time.perf_counter() - started)
+            tokens = int(out.response_lengths.sum())
+        return {
+            "sync_mode": group.sync_mode,
+            "engine_start_seconds": start_s,
+            "push_seconds": push_s,
+            "push_mb_per_rank": stats.bytes / 2**20,
+            "generate_seconds": statistics.median(times),
+            "generated_tokens": tokens,
+        }
+    finally:
+        group.shutdown()
 
 
 def print_report(r: dict) -> None:
@@ -440,6 +483,14 @@ def print_report(r: dict) -> None:
             if "handover_push_seconds" in v:
                 print(f"vLLM push through the shared-memory hand-over (no gather): {v['handover_push_seconds']:.2f} s = "
                       f"{v['push_seconds'] / v['handover_push_seconds']:.2f}x faster than with the gather")  # fmt: skip
+            if "spmd" in v:
+                sp = v["spmd"]
+                reference = v.get("handover_push_seconds", v["push_seconds"])
+                leader_rate, spmd_rate = v["generated_tokens"] / v["generate_seconds"], sp["generated_tokens"] / sp["generate_seconds"]
+                print(f"vLLM placement spmd (engine start {sp['engine_start_seconds']:.1f} s): push ({sp['sync_mode']}, "
+                      f"{sp['push_mb_per_rank']:.0f} MB/rank) {sp['push_seconds']:.3f} s = {reference / sp['push_seconds']:.1f}x faster than the "
+                      f"leader placement's best push ({reference:.2f} s); generate {sp['generate_seconds']:.2f} s = {spmd_rate:.0f} tokens/s "
+                      f"vs leader {leader_rate:.0f} tokens/s ({spmd_rate / leader_rate:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ layout. It loads the HF checkpoint into the Megatron actor (TP x PP) and into a 
 rank 0, changes every actor weight (`--update perturb`, the default: all weights scaled by
 1 + 2^-6, so a tensor the sync misses keeps its old value and shows up) or runs one real optimizer
 step (`--update step`), syncs the weights with `rollout.weight_sync.sync_weights` (the trainer's
-code path, `RolloutGroup.sync_weights`, in the mode `--sync-mode` picks), then checks:
+code path, `RolloutGroup.sync_weights`, in the mode `--sync-mode` picks; `--placement spmd`: every
+rank holds its shard of a TP = --tp vLLM engine, the trainer's default for vLLM), then checks:
 
 1. per tensor: the engine's weight equals the actor's HF export bit for bit (in the engine dtype);
 2. the engine's log-probs of responses it samples against the actor's forward-only log-probs of
@@ -79,9 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and --update step")
     parser.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket size in MB (rollout.weight_sync_bucket_mb)")
-    parser.add_argument("--sync-mode", choices=("auto", "gather", "shared_memory"), default="auto",
-                        help="how TP shards reach the engine (rollout.weight_sync_mode): gather full tensors, or each "
-                        "TP rank writes its own slices to /dev/shm; auto (default) picks like the trainer")  # fmt: skip
+    parser.add_argument("--sync-mode", choices=("auto", "gather", "shared_memory", "tp_shards"), default="auto",
+                        help="how TP shards reach the engine (rollout.weight_sync_mode): gather full tensors, each TP "
+                        "rank writes its own slices to /dev/shm (leader placement) or loads them into its own engine "
+                        "shard (spmd); auto (default) picks like the trainer")  # fmt: skip
+    parser.add_argument("--placement", choices=("leader", "spmd"), default="leader",
+                        help="rollout.placement: one engine on rank 0 (default), or vLLM SPMD: every rank holds its "
+                        "shard of an engine with TP = --tp (vllm only)")  # fmt: skip
     parser.add_argument("--only-failures", action="store_true", help="list only the tensors that differ")
     parser.add_argument("--corrupt-tensor", metavar="NAME", default=None,
                         help="self-test: after the sync, overwrite this HF tensor in the engine with a perturbed "
@@ -181,6 +186,7 @@ class _Printer:
 
 
 def _make_engine(args: argparse.Namespace, device, torch_dtype):
+    """rank 0's engine (leader placement), or this rank's shard of a TP = --tp vLLM engine (spmd)."""
     if args.engine == "embedded":
         from megatron_dapo.rollout.embedded import EmbeddedEngine
 
@@ -195,7 +201,8 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
         kwargs["kv_cache_memory_bytes"] = int(kv_mb) << 20
     return VLLMEngine(
         args.hf_dir,
-        tensor_parallel_size=1,
+        tensor_parallel_size=args.tp if args.placement == "spmd" else 1,
+        placement=args.placement,
         dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.prompt_length + args.max_new_tokens + 8,
@@ -304,6 +311,7 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
     from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
     from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.rollout.mismatch import log_prob_mismatch
+    from megatron_dapo.rollout.placement import SpmdSlot
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp), timeout_s=args.timeout_s, seed=args.seed, env=env)
@@ -320,7 +328,8 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
         layout = ctx.layout
         say(f"check-sync: {args.hf_dir} ({hf_cfg.architecture}, {hf_cfg.num_layers} layers)")
         say(f"  actor: tp={layout.tp} pp={layout.pp}{f' vpp={layout.vpp}' if layout.vpp else ''} dp={layout.dp} "
-            f"{args.dtype} on {ctx.device.type} ({ctx.backend});  engine: {args.engine} {args.dtype} on rank 0")  # fmt: skip
+            f"{args.dtype} on {ctx.device.type} ({ctx.backend});  engine: {args.engine} {args.dtype} "
+            f"{'on rank 0' if args.placement == 'leader' else f'spmd, TP={args.tp} shards on every rank'}")  # fmt: skip
 
         started = time.perf_counter()
         models = build_gpt_models(hf_cfg, layout, torch_dtype, transformer_engine=args.transformer_engine, init_weights=False)
@@ -330,7 +339,9 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
             actor = build_actor(cfg, models, vocab_size=hf_cfg.vocab_size)
         else:
             actor = ReferenceModel(models, ForwardSettings.from_config(cfg, hf_cfg.vocab_size))
-        if ctx.rank == 0:
+        if args.placement == "spmd" and args.engine != "vllm":
+            raise ValueError("--placement spmd needs --engine vllm")
+        if ctx.rank == 0 or args.placement == "spmd":  # spmd: a collective, every rank holds a shard
             engine = _make_engine(args, ctx.device, torch_dtype)
         dist.barrier()
         say(f"1. loaded the checkpoint into the actor and the engine ({time.perf_counter() - started:.1f} s)")
@@ -355,12 +366,13 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
         say(f"   before the sync, {stale_compared - stale_equal} of {stale_compared} engine tensors differ from the actor"
             + ("" if stale_equal == 0 else f" ({stale_equal} unchanged by the update: a missed sync of those cannot show)"))
 
-        rollout = RolloutGroup(engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type)
+        slot = SpmdSlot(ctx.rank, ctx.world_size, args.tp) if args.placement == "spmd" else None
+        rollout = RolloutGroup(engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot)
         try:
             stats = rollout.sync_weights(actor.gpt_models, hf_cfg, args.bucket_mb)
         finally:
             rollout.close_weight_sync()
-        moved = "MB of this rank's own slices" if rollout.sync_mode == "shared_memory" else "MB"
+        moved = "MB of this rank's own slices" if rollout.sync_mode in ("shared_memory", "tp_shards") else "MB"
         say(f"3. synced {stats.num_tensors} tensors ({rollout.sync_mode}), {stats.bytes / 1e6:.1f} {moved} in {stats.num_buckets} "
             f"bucket(s) (largest {stats.peak_bucket_bytes / 1e6:.1f} MB) in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s")  # fmt: skip
         if engine is not None and args.corrupt_tensor:

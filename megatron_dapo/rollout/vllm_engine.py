@@ -24,7 +24,8 @@ Two placements (`placement=`):
   `vllm.distributed.parallel_state.initialize_model_parallel`). All ranks of a group must call
   `generate` with the same prompts and sampling parameters (vLLM's scheduling is deterministic,
   so every rank steps identically) and get the same outputs; different groups generate
-  independently. Creating and shutting down the engine are collectives over the whole world.
+  independently (an unseeded `generate` takes its seeds from a counter the group's ranks share).
+  Creating and shutting down the engine are collectives over the whole world.
   `collective_rpc` is an in-process call, so weights arrive as tensors: no file, and with
   `spmd_sync.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
   the trainer's process changes process-wide settings; `process_state.preserved_process_state`
@@ -59,6 +60,7 @@ cache from `gpu_memory_utilization` times the machine's RAM unless `kv_cache_mem
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -176,6 +178,7 @@ class VLLMEngine(RolloutEngine):
         from vllm.platforms import current_platform
 
         self.placement = placement
+        self._unseeded_seed, self._unseeded_calls = seed, 0
         self._on_cpu = current_platform.is_cpu()
         if enable_sleep_mode is None:
             enable_sleep_mode = current_platform.is_cuda()
@@ -257,6 +260,11 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSamplingParams
 
         llm = self._ready()
+        if self.placement == "spmd" and params.seed is None:
+            # Every rank of the group samples on its own and must draw the same tokens; without a
+            # seed vLLM would use each process's global generator (the trainer's, which may differ).
+            params = dataclasses.replace(params, seed=self._unseeded_seed + 7919 * self._unseeded_calls)
+            self._unseeded_calls += 1
         prompts = [self._tokens_prompt(prompt_token_ids=[int(token) for token in ids]) for ids in prompt_ids]
         sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(params, index)) for index in range(len(prompts))]
         outputs = llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
@@ -316,7 +324,7 @@ class VLLMEngine(RolloutEngine):
         self._weights_awake_llm()
         self._update_open = False
         self._rpc("mdapo_finish_weight_update")
-        if not self._asleep_tags:  # a sleeping KV cache holds nothing to reset
+        if not (self._sleep_enabled and self._asleep_tags):  # vLLM's sleep already dropped the prefix cache
             self._require_llm().reset_prefix_cache()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

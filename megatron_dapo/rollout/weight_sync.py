@@ -26,8 +26,10 @@ Megatron shard into the HF-named slices it holds (`EngineShard`: the tensor plus
 the full HF tensor), using the row's own transform on a per-rank `ModelShape`;
 `iter_weight_shard_buckets` streams them (pipeline stages still broadcast, no TP communication at
 all), and `sync_weights(..., tp_shards=True)` gives them to a ``load_weight_shards`` target: the
-`shard_handover.SharedMemoryHandover`, where every TP rank writes its slices into one shared
-bucket file that the engine then reads (`RolloutGroup` picks this path; see its doc). The slicing
+`shard_handover.SharedMemoryHandover` (leader placement: every TP rank writes its slices into one
+shared bucket file that the engine then reads) or `spmd_sync.InProcessShardTarget` (spmd placement:
+each rank loads its slices into its own in-process engine shard). `RolloutGroup` picks the path
+(see its doc); buckets are cut by `bucketing.bucket_stream`, the rule every weight path shares. The slicing
 convention is the usual one of TP inference engines: rank r holds the r-th contiguous block of attention heads / query
 groups (q, k and v of the same groups), of gate and up rows, and of the input dimension of
 o_proj/down_proj; norms are whole. Vocabulary rows are Megatron's padded split with the padding

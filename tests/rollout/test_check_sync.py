@@ -51,6 +51,19 @@ def test_tp2_passes_and_reports_every_tensor(tiny_model_dirs):
     assert 0 <= mean <= largest < 1e-4
 
 
+def test_spmd_vllm_tp2_passes_then_fails_on_a_corrupted_tensor(tiny_model_dirs, require_vllm):
+    """--placement spmd: each of the 2 processes holds one vLLM shard; tp_shards sync; the self-test
+    corruption of one tensor after the sync must make the same check fail."""
+    args = ("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "vllm", "--tp", "2", "--placement", "spmd", "--only-failures")
+    out = _run(*args, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "spmd, TP=2 shards on every rank" in out.stdout and "(tp_shards)" in out.stdout
+    assert re.search(r"(\d+) of \1 tensors equal", out.stdout) and "PASS" in out.stdout
+    bad = _run(*args, "--corrupt-tensor", "model.layers.1.mlp.up_proj.weight", timeout=400)
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert "DIFF  model.layers.1.mlp.up_proj.weight" in bad.stdout and "FAIL" in bad.stdout
+
+
 def test_single_process_fails_on_tolerance_alone(tiny_model_dirs):
     out = _run("--hf-dir", str(tiny_model_dirs["qwen2"]), "--tolerance", "1e-12", "--only-failures")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]

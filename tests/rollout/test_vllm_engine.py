@@ -426,11 +426,13 @@ def test_sleep_wake_order_is_enforced_even_where_vllm_cannot_sleep(case):
         case.engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
     case.engine.wake_up(["weights"])
     assert case.engine.sleeping_tags == {"kv_cache"}
-    case.engine.load_weights(case.weights.items())  # the full push
+    new = perturbed(case.weights, seed=9)
+    case.engine.load_weights(new.items())  # the full push, of new weights (a stale prefix cache would show)
     with pytest.raises(RuntimeError, match="asleep"):
         case.engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
     case.engine.wake_up(["kv_cache"])
     assert not case.engine.is_sleeping
+    case.set_reference_weights(new)
     assert_engine_matches_reference(case, seed=9)
     with pytest.raises(ValueError, match="unknown memory tags"):
         case.engine.wake_up(["cuda_graph"])

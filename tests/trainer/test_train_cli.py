@@ -132,14 +132,18 @@ def test_dataset_without_ground_truth_is_refused(demo_workspace, tmp_path):
     assert "ground_truth" in proc.stderr and "bad.jsonl" in proc.stderr
 
 
-def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path, require_vllm):
-    """The demo with `rollout.engine=vllm` (vLLM's CPU build): two steps, weights pushed after each."""
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "dp2_two_spmd_engines"])
+def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path, require_vllm, nproc):
+    """The demo with `rollout.engine=vllm` (vLLM's CPU build, spmd placement): two steps, weights pushed
+    after each. With two processes (DP=2, rollout.tp=1) there are two SPMD engines, each generating
+    half of the prompts; the pooled batch holds every prompt group."""
     out = tmp_path / "vllm"
     _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm",
-                       *workspace_overrides(demo_workspace, out)))  # fmt: skip
+                       *workspace_overrides(demo_workspace, out), nproc=nproc))  # fmt: skip
     metrics = read_metrics(out)
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
+        assert metrics[step]["train/num_groups_generated"] == 8 * metrics[step]["train/num_gen_batches"]
         # The engine's sampled-token log-probs against the actor's, float32 on both sides: a stale or
         # wrong weight push after step 1 would show up as a large mismatch at step 2.
         assert metrics[step]["rollout_mismatch/mean_abs"] < 1e-3, metrics[step]
