@@ -137,6 +137,45 @@ def test_process_state_guard_restores_what_an_engine_start_changes(monkeypatch):
     assert get_memory_policy() == policy
 
 
+def test_in_process_target_places_each_slice_where_the_engine_loader_cuts():
+    """vLLM's loaders narrow(dim, rank * size, size) a full tensor: each slice must sit exactly there;
+    vocabulary rows the engine rank holds inside its own Megatron slice need no exchange."""
+    from megatron_dapo.rollout.spmd_sync import InProcessShardTarget
+    from megatron_dapo.rollout.weight_sync import EngineShard
+
+    class Engine:
+        def __init__(self):
+            self.loaded, self.committed = [], 0
+
+        def load_weights(self, weights):
+            self.loaded.extend(weights)
+
+        def commit_weights(self):
+            self.committed += 1
+
+    g = torch.Generator().manual_seed(0)
+    rows, columns, norm, vocab = torch.randn(3, 5, generator=g), torch.randn(4, 2, generator=g), torch.randn(4, generator=g), torch.randn(5, 4, generator=g)
+    shards = [
+        EngineShard("model.layers.0.self_attn.q_proj.weight", rows, 0, 3, 6),  # rank 1 of 2, dim 0
+        EngineShard("model.layers.0.self_attn.o_proj.weight", columns, 1, 2, 4),  # rank 1 of 2, dim 1
+        EngineShard("model.norm.weight", norm, None, 0, 4),
+        EngineShard("model.embed_tokens.weight", vocab, 0, 6, 11),  # Megatron rows 6..11 of a vocabulary of 11
+    ]
+    engine = Engine()
+    target = InProcessShardTarget(engine, None, {"model.embed_tokens.weight": (7, 11)})  # vLLM's rank holds 7..11
+    target.load_weight_shards(shards)
+    target.commit_weights()
+    loaded = dict(engine.loaded)
+    assert loaded["model.layers.0.self_attn.q_proj.weight"].shape == (6, 5)
+    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"].narrow(0, 3, 3), rows)
+    assert loaded["model.layers.0.self_attn.o_proj.weight"].shape == (4, 4)
+    assert torch.equal(loaded["model.layers.0.self_attn.o_proj.weight"].narrow(1, 2, 2), columns)
+    assert loaded["model.norm.weight"] is norm
+    assert loaded["model.embed_tokens.weight"].shape == (11, 4)
+    assert torch.equal(loaded["model.embed_tokens.weight"][7:11], vocab[1:5])
+    assert target.exchanged_vocab == {"model.embed_tokens.weight": False} and engine.committed == 1
+
+
 # --------------------------------------------------------------------------------------------------
 # The real engine: one torchrun launch, two models
 # --------------------------------------------------------------------------------------------------
