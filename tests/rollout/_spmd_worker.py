@@ -110,6 +110,8 @@ def run_model(model_dir: str, index: int) -> dict:
         generated = engine.generate(PROMPTS, params)  # the same call again, on this rank's engine
         result["generation"] = _generation(generated)
         result["repeat_equal"] = handed_on is None or _generation(handed_on) == result["generation"]
+        after = _process_state()
+        result["process_state"]["after_generate"] = {k: v for k, v in after.items() if k != "rng"}  # sampling uses seeded generators
         batch = PolicyBatch.from_token_lists([PROMPTS[i] for i in generated.prompt_index], generated.response_ids)
         trainer = actor.compute_log_probs(batch)
         engine_lp = torch.zeros_like(trainer)

@@ -249,3 +249,5 @@ def test_starting_vllm_in_process_leaves_the_trainer_settings_alone(spmd_results
         for model in r["models"]:
             before, after = model["process_state"]["before"], model["process_state"]["after"]
             assert after == before, (before, after)
+            generated = model["process_state"]["after_generate"]
+            assert generated == {k: v for k, v in before.items() if k != "rng"}, (before, generated)
