@@ -24,7 +24,7 @@ actor feeding a TP=2 vLLM engine (two vLLM workers, each reading its own slices)
 
 The vLLM launch uses the tiny Qwen3 (head_dim 32: vLLM's CPU attention needs 32 or 64) and vLLM's
 own read-back (`VLLMEngine.named_weights`, which reads the weights through its kernels). Without
-vLLM the test skips, except under CI=true where it fails.
+vLLM the test skips, except under CI (`tests/ci.py`: CI=true, 1 or yes) where it fails.
 """
 
 from __future__ import annotations
