@@ -102,7 +102,8 @@ class RolloutConfig:
     """Tensor-parallel size of each rollout engine (must divide the world size)."""
     gpu_memory_utilization: float = 0.6
     free_cache_engine: bool = True
-    """Sleep the engine during training to free its KV cache (GPU engines only)."""
+    """Sleep the engine during training to free its GPU memory (how deeply: rollout.sleep_level;
+    GPU engines only, a no-op on CPU)."""
     weight_sync_bucket_mb: int = 512
     """Bucket size of the actor -> engine weight stream; peak extra memory is one bucket."""
     weight_sync_mode: Literal["auto", "gather", "shared_memory", "tp_shards"] = "auto"

@@ -107,7 +107,6 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
     return "|".join(blocks)
 
 
-
 def _remove_dirs(*directories: Path) -> None:
     for directory in directories:
         shutil.rmtree(directory, ignore_errors=True)
@@ -137,8 +136,6 @@ def _import_vllm():
     except ImportError as error:
         raise ImportError(_INSTALL_HINT) from error
     return vllm, TokensPrompt
-
-
 
 
 class VLLMEngine(RolloutEngine):
