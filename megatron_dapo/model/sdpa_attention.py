@@ -19,7 +19,9 @@ attention is NOT allowed (SDPA's are the opposite); an explicit mask takes prece
 type, and without one `AttnMaskType.causal` means causal attention (self-attention, sq == sk; a
 single query attends to everything, as in KV-cached decoding). The causal case - `attention_mask`
 None or the pure causal mask `builder.causal_attention_mask` builds - runs with `is_causal=True`,
-the only form the flash kernel accepts. Packed sequences (THD), attention bias, context parallelism,
+the only form the flash kernel accepts. Context parallelism (causal only): keys/values are
+all-gathered over the CP group and each local chunk attends its key prefix (`_chunked_causal_sdpa`).
+Packed sequences (THD), attention bias,
 sliding windows and non-vanilla softmax are refused: Transformer Engine's attention handles those.
 """
 
@@ -115,11 +117,17 @@ class SDPADotProductAttention(MegatronModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError(
-                "SDPA core attention does not support context parallelism (context_parallel_size > 1): "
-                "use Transformer Engine's attention (model.transformer_engine=on)"
-            )
+        # Context parallelism: this rank holds chunks r and 2*CP-1-r of every sequence (Megatron's
+        # layout); keys/values are all-gathered over the CP group in `_context_parallel_attention`.
+        self.cp_size = config.context_parallel_size
+        self.cp_group = None
+        if self.cp_size > 1:
+            if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+                self.cp_group = pg_collection.cp
+            else:
+                from megatron.core import parallel_state
+
+                self.cp_group = parallel_state.get_context_parallel_group()
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(
                 f"SDPA core attention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
@@ -174,6 +182,15 @@ class SDPADotProductAttention(MegatronModule):
         if heads % groups != 0:
             raise ValueError(f"{heads} query heads cannot share {groups} key/value groups")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self.cp_size > 1:
+            if attention_mask is not None:
+                raise NotImplementedError(
+                    "SDPA core attention under context parallelism takes no explicit attention_mask: "
+                    "pass attention_mask=None with the causal mask type (right padding is loss-masked)"
+                )
+            if mask_type != AttnMaskType.causal:
+                raise NotImplementedError("SDPA core attention under context parallelism is causal only")
+            return self._context_parallel_attention(query, key, value)
 
         # [s, b, n, h] -> [b, n, s, h]: views; the kernels need only the last dimension contiguous.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -220,6 +237,57 @@ class SDPADotProductAttention(MegatronModule):
             )  # fmt: skip
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _context_parallel_attention(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Causal attention of the local chunks; K/V all-gathered over CP (backward: dK/dV summed)."""
+        import torch.distributed as dist
+
+        from megatron_dapo.distributed.context_parallel import gather_sequence_sum_grads
+
+        sq, b, heads, hn = query.shape
+        groups = key.size(2)
+        if sq % 2:
+            raise ValueError(f"a CP rank holds two equal chunks, got an odd local length {sq}: pad to 2*CP")
+        key = gather_sequence_sum_grads(key, 0, self.cp_group)
+        value = gather_sequence_sum_grads(value, 0, self.cp_group)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if groups != heads:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        dropout_p = self.dropout_p if self.training else 0.0
+        with contextlib.ExitStack() as stack:
+            if not q.is_cuda:
+                stack.enter_context(sdpa_kernel(_CPU_BACKENDS))
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
+            context = _chunked_causal_sdpa(
+                q, k, v, self.cp_size, dist.get_rank(self.cp_group), self.softmax_scale, dropout_p
+            )
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+
+def _chunked_causal_sdpa(
+    q: Tensor, k_full: Tensor, v_full: Tensor, cp_size: int, cp_rank: int, scale: float, dropout_p: float
+) -> Tensor:
+    """Attention of this rank's two query chunks against the gathered keys in full order.
+
+    q [b, n, 2c, h] holds chunks cp_rank and 2*CP-1-cp_rank; chunk j sees the key prefix that ends with
+    it, under a lower-right-aligned causal mask (`causal_lower_right`, which the fused GPU kernels take).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    chunk = q.size(2) // 2
+    outputs = []
+    for local_index, chunk_index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+        q_chunk = q[:, :, local_index * chunk : (local_index + 1) * chunk]
+        prefix = (chunk_index + 1) * chunk
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q_chunk, k_full[:, :, :prefix], v_full[:, :, :prefix],
+                attn_mask=causal_lower_right(chunk, prefix), dropout_p=dropout_p, scale=scale,
+            )  # fmt: skip
+        )
+    return torch.cat(outputs, dim=2)
 
 
 def _explicit_mask(q: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:

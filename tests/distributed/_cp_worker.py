@@ -52,3 +52,45 @@ def attention_and_gathers() -> dict:
     }
     dist.destroy_process_group()
     return out
+
+
+def sdpa_module_cp() -> dict:
+    """SDPADotProductAttention at CP=2 (GQA, length 12 = 3 tokens per chunk) vs the module at CP=1."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dapo.distributed.context_parallel import split_for_cp_rank
+    from megatron_dapo.model.sdpa_attention import SDPADotProductAttention
+
+    dist.init_process_group("gloo")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+
+    def module(cp_size):
+        config = TransformerConfig(
+            num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+            attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+        )  # fmt: skip
+        config.context_parallel_size = cp_size  # after validation, which checks CP against Megatron's groups
+        return SDPADotProductAttention(
+            config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+            pg_collection=SimpleNamespace(tp=None, cp=dist.group.WORLD),
+        ).eval()  # fmt: skip
+
+    torch.manual_seed(0)
+    seq = 12
+    q = torch.randn(seq, 2, 4, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(seq, 2, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(seq, 2, 64, dtype=torch.float64)
+    reference = module(1)(q, k, v, None)
+    (reference * upstream).sum().backward()
+
+    local = [split_for_cp_rank(t.detach(), 0, cp, rank).requires_grad_() for t in (q, k, v)]
+    out = module(cp)(*local, None)
+    (out * split_for_cp_rank(upstream, 0, cp, rank)).sum().backward()
+    errors = {"out": (out - split_for_cp_rank(reference.detach(), 0, cp, rank)).abs().max().item()}
+    for name, full, part in zip(("dq", "dk", "dv"), (q, k, v), local):
+        errors[name] = (part.grad - split_for_cp_rank(full.grad, 0, cp, rank)).abs().max().item()
+    dist.destroy_process_group()
+    return errors

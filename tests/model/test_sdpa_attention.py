@@ -180,11 +180,16 @@ def test_module_refuses_what_it_does_not_support():
         _sdpa_module(_config(window_size=(4, 0)))
 
 
-def test_module_refuses_context_parallelism():
+def test_context_parallel_module_refuses_explicit_masks_and_odd_local_length():
+    from types import SimpleNamespace
+
     config = _config()
     config.context_parallel_size = 2  # set after validation: TransformerConfig checks CP against the world
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        _sdpa_module(config)
+    module = _sdpa_module(config, pg_collection=SimpleNamespace(tp=None, cp=object()))
+    with pytest.raises(NotImplementedError, match="no explicit attention_mask"):
+        module(*_qkv(4, 4, 1, 8, 2, 16), _causal(4))
+    with pytest.raises(ValueError, match="odd local length 3"):
+        module(*_qkv(3, 3, 1, 8, 2, 16), None)
 
 
 def test_causal_mask_recognition():
