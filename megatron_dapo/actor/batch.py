@@ -37,6 +37,7 @@ __all__ = [
     "PolicyBatch",
     "build_micro_batch",
     "plan_micro_batches",
+    "split_for_context_parallel",
     "split_mini_batches",
 ]
 
@@ -264,7 +265,10 @@ class MicroBatch:
     real_tokens: int = 0
     """Tokens of real sequences the model reads."""
     computed_tokens: int = 0
-    """Token positions the model computes (real + padding)."""
+    """Token positions the model computes (real + padding), over the whole sequence (all CP ranks)."""
+    context_parallel: int = 1
+    """CP size the model inputs are split over (`split_for_context_parallel`); 1: full sequences. The
+    per-token outputs are gathered back to full order over the CP group before ``gather_index`` applies."""
 
     @property
     def num_sequences(self) -> int:
@@ -371,3 +375,31 @@ def build_micro_batch(
         computed_tokens=int(input_ids.numel()),
     )
 
+
+
+def split_for_context_parallel(micro_batch: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """This context-parallel rank's part of a padded micro-batch (Megatron's 2*CP chunk layout).
+
+    ``input_ids``, ``position_ids`` and ``labels`` keep chunks ``cp_rank`` and ``2*CP-1-cp_rank`` of the
+    sequence dimension (`distributed.context_parallel.split_for_cp_rank`, the layout of Megatron's
+    ``get_batch_on_this_cp_rank``, of its rotary embedding under CP and of TE's CP attention). The
+    response-aligned fields stay whole: every CP rank computes the same loss from the gathered
+    per-token log-probs. The row length must already be a multiple of 2*CP (``pad_to_multiple_of``).
+    """
+    from megatron_dapo.distributed.context_parallel import split_for_cp_rank
+
+    if cp_size == 1:
+        return micro_batch
+    if micro_batch.packed_seq_params is not None:
+        raise ValueError("context parallelism takes right-padded micro-batches, not packed (THD) ones")
+    if micro_batch.context_parallel != 1:
+        raise ValueError("micro-batch is already split for context parallelism")
+    if micro_batch.attention_mask is not None:
+        raise ValueError("under context parallelism the attention applies its own causal mask: pass none")
+    return dataclasses.replace(
+        micro_batch,
+        input_ids=split_for_cp_rank(micro_batch.input_ids, 1, cp_size, cp_rank),
+        position_ids=split_for_cp_rank(micro_batch.position_ids, 1, cp_size, cp_rank),
+        labels=split_for_cp_rank(micro_batch.labels, 1, cp_size, cp_rank),
+        context_parallel=cp_size,
+    )

@@ -53,7 +53,9 @@ def response_log_probs(
     """Log-probs (and entropy) of the micro-batch's response tokens, ``[k, W]``, 0 past each response.
 
     ``logits`` is this tensor-parallel rank's vocabulary shard ``[rows, S, V_padded/tp]``; columns at ids
-    ``>= vocab_size`` (Megatron's vocabulary padding) are excluded from the softmax. Differentiable.
+    ``>= vocab_size`` (Megatron's vocabulary padding) are excluded from the softmax. Under context
+    parallelism ``S`` is this rank's ``S/CP`` positions and the per-token values are all-gathered over
+    the CP group (``micro_batch.context_parallel``). Differentiable.
     """
     from megatron.core import parallel_state as ps
 
@@ -67,6 +69,15 @@ def response_log_probs(
         compute_entropy=compute_entropy,
         vocab_size=vocab_size,
     )
+    if micro_batch.context_parallel > 1:
+        # This rank holds 2 of the 2*CP sequence chunks: gather the per-token values into full order.
+        # Every CP rank then computes the same loss; backward keeps this rank's slice (its tokens'
+        # gradients are complete there, so summing over CP would count them CP times).
+        from megatron_dapo.distributed.context_parallel import gather_sequence_keep_slice
+
+        group = ps.get_context_parallel_group()
+        log_probs = gather_sequence_keep_slice(log_probs, 1, group)
+        entropy = gather_sequence_keep_slice(entropy, 1, group) if entropy is not None else None
     # GPTModel returns [b, s, V/tp] (it transposes Megatron's [s, b] at the end, in 0.16 and 0.19), the
     # layout of `labels` and of the flat positions in `gather_index`.
     index = micro_batch.gather_index.to(logits.device)
@@ -103,7 +114,7 @@ def run_schedule(
         num_microbatches=len(micro_batches),
         # Shapes vary per micro-batch; with PP the stages exchange them (variable_seq_lengths), so
         # these two only matter to schedules that ignore them.
-        seq_length=max(mb.seq_length for mb in micro_batches),
+        seq_length=max(mb.seq_length * mb.context_parallel for mb in micro_batches),
         micro_batch_size=max(mb.rows for mb in micro_batches),
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,

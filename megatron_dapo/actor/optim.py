@@ -107,10 +107,6 @@ def prepare_for_training(
     config = models[0].config
     if any(m.config is not config for m in models):
         raise ValueError("all model chunks must share one TransformerConfig (build them together)")
-    if ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "the actor does not split sequences across context-parallel ranks: set parallel.cp=1"
-        )
     ensure_tensor_parallel_attributes(models)  # before DDP and the optimizer read them
     config.calculate_per_token_loss = True  # BEFORE DDP: makes it sum gradients (module doc)
     config.finalize_model_grads_func = finalize_grads_without_scaling

@@ -29,7 +29,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.actor.batch import MicroBatch, PolicyBatch, build_micro_batch, plan_micro_batches
+from megatron_dapo.actor.batch import (
+    MicroBatch,
+    PolicyBatch,
+    build_micro_batch,
+    plan_micro_batches,
+    split_for_context_parallel,
+)
 from megatron_dapo.actor.forward import (
     broadcast_from_last_stage,
     is_last_stage,
@@ -51,6 +57,7 @@ from megatron_dapo.actor.optim import (
     prepare_transformer_config,
 )
 from megatron_dapo.algorithm.loss import count_tokens_and_seqs
+from megatron_dapo.distributed.context_parallel import cp_pad_multiple
 from megatron_dapo.model.builder import causal_attention_mask, layer_spec_of
 from megatron_dapo.model.mapping import TE_SPEC
 
@@ -107,10 +114,14 @@ class ReferenceModel:
         self.pipeline_size = ps.get_pipeline_model_parallel_world_size()
         prepare_transformer_config(self.config, self.pipeline_size, len(self.models))
         self.device = next(self.models[0].parameters()).device
-        # Padding-free THD packing needs Transformer Engine's attention; the local spec takes padded rows.
-        self.packed = layer_spec_of(self.models[0]) == TE_SPEC
+        # Context parallelism: each rank of the CP group holds 2 of the 2*CP chunks of every sequence.
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        # Padding-free THD packing needs Transformer Engine's attention; the local spec takes padded rows,
+        # and so does CP (TE's CP attention takes the same right-padded 2*CP layout as the SDPA path).
+        self.packed = layer_spec_of(self.models[0]) == TE_SPEC and self.cp_size == 1
         tp = ps.get_tensor_model_parallel_world_size()
-        self.pad_to_multiple_of = tp if self.config.sequence_parallel else 1
+        self.pad_to_multiple_of = cp_pad_multiple(self.cp_size, tp, self.config.sequence_parallel)
 
     @property
     def gpt_models(self) -> list[torch.nn.Module]:
@@ -124,9 +135,14 @@ class ReferenceModel:
         return self.pipeline_size if len(self.models) > 1 else 1
 
     def plan(self, batch: PolicyBatch, max_tokens: int, min_count: int = 1) -> list[list[int]]:
-        """Sequence indices of each micro-batch (at least ``min_count``, rounded for interleaving)."""
+        """Sequence indices of each micro-batch (at least ``min_count``, rounded for interleaving).
+
+        ``max_tokens`` is per rank: under context parallelism a rank computes 1/CP of each sequence, so
+        a micro-batch may hold CP times as many tokens.
+        """
         multiple = self._micro_batch_count_multiple()
         lengths = batch.model_lengths()
+        max_tokens = max_tokens * self.cp_size
         options = dict(max_tokens=max_tokens, micro_batch_size=self.settings.micro_batch_size, packed=self.packed)
         plan = plan_micro_batches(lengths, min_count=min_count, **options)
         wanted = -(-len(plan) // multiple) * multiple
@@ -147,6 +163,9 @@ class ReferenceModel:
             )
             for indices in plan
         ]
+        if self.cp_size > 1:
+            # The attention applies the causal mask per local chunk itself (no explicit mask under CP).
+            return [split_for_context_parallel(mb, self.cp_size, self.cp_rank) for mb in micro_batches]
         if not self.packed and micro_batches:
             # The local attention takes an explicit causal mask. One mask for the longest micro-batch,
             # sliced (a view) for the others: its memory is seq_len^2 bytes, once per batch.

@@ -20,7 +20,9 @@ The patches, each kept to what our code paths reach:
    `Tensor.type()` (the type string) reports the CUDA type name ("torch.cuda.FloatTensor"),
    because Megatron's optimizers accept parameters by that name.
    Torch function modes are thread-local: the mode is pushed on the thread that enables the layer
-   (the main thread, where model code runs; CPU autograd runs backward on the calling thread).
+   (the main thread, where model code runs; CPU autograd runs backward on the calling thread). A mode
+   is off while its own handler runs, and `torch.autograd.backward` arrives at the handler, so the
+   backward of Python autograd functions (Megatron's) is run under a fresh instance of the mode.
 2. `torch.cuda` functions Megatron calls for bookkeeping: `current_device` (returns 0, which the
    mode above maps to the CPU), `set_device(0)`, `synchronize`, `empty_cache`, streams and events
    (inert stand-ins: CPU ops are synchronous).
@@ -66,6 +68,7 @@ def enable_cpu_compat() -> bool:
             return True
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_autograd_function_backward()
         _mode = CudaToCpuMode()
         _mode.__enter__()  # stays on the mode stack for the life of the process
         _enabled = True
@@ -108,6 +111,28 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+def _patch_autograd_function_backward() -> None:
+    """Run the backward of Python autograd functions under the mode when no mode is active.
+
+    A mode is switched off while its own handler runs, and `torch.autograd.backward` (which Megatron's
+    schedules call) reaches the handler as a torch function: the whole backward pass then runs without
+    the mode, while Megatron's backward functions allocate on `torch.cuda.current_device()` (e.g. the
+    sequence-parallel reduce-scatter buffer in `LinearWithGradAccumulationAndAsyncCommunication`).
+    The autograd engine calls `BackwardCFunction.apply` for every Python function's backward.
+    """
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply_under_mode(self, *args):
+        if torch._C._len_torch_function_stack() == 0:
+            with CudaToCpuMode():
+                return original(self, *args)
+        return original(self, *args)
+
+    BackwardCFunction.apply = apply_under_mode
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,8 +168,6 @@ def build_transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
-    if layout.cp > 1 and not use_te:
-        raise ValueError("parallel.cp > 1 needs Transformer Engine's attention: set parallel.cp=1 or install TE on a GPU machine")
     on_gpu = torch.cuda.is_available()
     # Fused kernels need CUDA; with TE on a GPU use them, on the local spec / CPU use plain PyTorch.
     fused = use_te and on_gpu
@@ -228,7 +226,10 @@ def _layer_spec(cfg: HFModelConfig, use_te: bool, attention: Literal["sdpa", "me
         raise ValueError(f"attention must be 'sdpa' or 'megatron', got {attention!r}")
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+    from megatron_dapo.model.local_norm import with_sequence_parallel_norms
+
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    spec = with_sequence_parallel_norms(spec)  # Megatron's torch norm refuses sequence parallelism
     if attention == "sdpa":
         from megatron_dapo.model.sdpa_attention import with_sdpa_core_attention
 
@@ -269,7 +270,11 @@ def build_gpt_models(
         init_weights=init_weights,
         recompute_activations=recompute_activations,
     )
+    if layout.cp > 1 and not use_te and attention != "sdpa":
+        # Megatron's own DotProductAttention refuses CP; the SDPA core attention all-gathers K/V over CP.
+        raise ValueError("parallel.cp > 1 without Transformer Engine needs the SDPA core attention (attention='sdpa')")
     spec = _layer_spec(cfg, use_te, attention)
+    from megatron_dapo.model.local_norm import local_block_submodules
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = layout.megatron_vpp
     inv_freq = rope_inv_freq(cfg)
@@ -277,7 +282,7 @@ def build_gpt_models(
     for chunk in range(vpp or 1):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=spec if use_te else local_block_submodules(spec, config, chunk if vpp else None),
             vocab_size=padded_vocab_size(cfg.vocab_size, layout.tp),
             max_sequence_length=cfg.max_position_embeddings,
             pre_process=pp_rank == 0 and chunk == 0,

@@ -8,8 +8,10 @@ assertions live in test_actor_parallel.py.
 * `run_single` (1 process): the reference run (one micro-batch), the same run with 2 and 4
   micro-batches, an independent gradient from HF transformers with a hand-written loss, the LR
   schedule and gradient clipping.
-* `run_layouts` (4 processes): the same steps under several TP / PP / VPP / DP layouts in one
-  launch, each data-parallel rank holding an uneven share of the batch (one holds none).
+* `run_layouts` (4 processes): the same steps under several TP / PP / VPP / CP / DP layouts (and
+  sequence parallelism) in one launch, each data-parallel rank holding an uneven share of the batch
+  (one holds none).
+* `run_cp_architectures` (2 processes): Qwen2, Llama 3 and Qwen3 at CP=2 against HF and CP=1.
 """
 
 from __future__ import annotations
@@ -104,14 +106,16 @@ def global_batch(hf_model):
 # ---------------------------------------------------------------------------------------------
 
 
-def build_actor_for(model_dir: str, layout, cfg):
+def build_actor_for(model_dir: str, layout, cfg, sequence_parallel: bool = False):
     from megatron_dapo.actor import build_actor
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import load_hf_into_megatron
 
     hf_cfg = read_hf_config(model_dir)
-    models = build_gpt_models(hf_cfg, layout, torch.float32, transformer_engine="off", init_weights=False)
+    models = build_gpt_models(
+        hf_cfg, layout, torch.float32, transformer_engine="off", init_weights=False, sequence_parallel=sequence_parallel
+    )
     load_hf_into_megatron(models, model_dir, hf_cfg)
     return build_actor(cfg, models, vocab_size=hf_cfg.vocab_size), hf_cfg
 
@@ -266,7 +270,8 @@ def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
         for spec in layouts:
             if ctx is not None:
                 teardown(keep_process_group=True)
-            ctx = init_distributed(ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp")), timeout_s=240, seed=3)
+            layout = ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp"), cp=spec.get("cp", 1))
+            ctx = init_distributed(layout, timeout_s=240, seed=3)
             from megatron.core import parallel_state as ps
 
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -276,12 +281,68 @@ def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
                 trainer={"max_tokens_per_micro_batch": LAYOUT_BUDGET},
                 parallel={"use_distributed_optimizer": spec["dist_opt"]},
             )
-            actor, hf_cfg = build_actor_for(model_dir, ctx.layout, cfg)
+            actor, hf_cfg = build_actor_for(model_dir, ctx.layout, cfg, sequence_parallel=spec.get("sp", False))
             result, saved = run_steps(actor, hf_cfg, share, save_grads=not spec["dist_opt"])
+            result["pad_to_multiple_of"] = actor.pad_to_multiple_of
             result.update(dp=dp, dp_rank=dp_rank, share=share_indices)
             out["layouts"][spec["name"]] = result
             if ctx.rank == 0:
                 torch.save(saved, Path(out_dir) / f"{spec['name']}.pt")
+    except Exception:
+        out["error"] = traceback.format_exc()
+        raise
+    finally:
+        from torchrun_utils import write_rank_result
+
+        write_rank_result(out)
+        teardown()
+    return None
+
+
+def run_cp_architectures(model_dirs: dict, out_dir: str) -> None:
+    """Per architecture: CP=2 (2 processes, whole batch) and then CP=1 x DP=2 (uneven shares).
+
+    Saved on rank 0 for the test: HF log-probs and the hand-written HF gradient (the independent
+    reference), the CP=2 log-probs, DDP gradients and weights after one update, and the CP=1 weights
+    after the same update.
+    """
+    from tiny_models import load_hf_model
+
+    from megatron_dapo.actor import summarise
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+
+    out: dict = {"architectures": {}}
+    ctx = None
+    try:
+        for arch, model_dir in model_dirs.items():
+            hf_model = load_hf_model(Path(model_dir))
+            batch = global_batch(hf_model)
+            hf_log_probs, hf_entropy = hf_response_log_probs(hf_model, batch)
+            saved = {"hf_log_probs": hf_log_probs, "hf_entropy": hf_entropy,
+                     "hf_grads": _hand_written_hf_gradients(hf_model, batch, make_config())}  # fmt: skip
+            entry: dict = {"model_lengths": batch.model_lengths()}
+            for cp in (2, 1):
+                if ctx is not None:
+                    teardown(keep_process_group=True)
+                ctx = init_distributed(ParallelLayout(cp=cp), timeout_s=240, seed=3)
+                from megatron.core import parallel_state as ps
+
+                share = batch if cp == 2 else batch.select(DP_SHARES[2][ps.get_data_parallel_rank()])
+                actor, hf_cfg = build_actor_for(model_dir, ctx.layout, make_config(parallel={"use_distributed_optimizer": False}))
+                if cp == 2:
+                    log_probs, entropy = actor.compute_log_probs(share, with_entropy=True)
+                    saved.update(cp_log_probs=log_probs, cp_entropy=entropy)
+                    entry["pad_to_multiple_of"] = actor.pad_to_multiple_of
+                sums = actor.compute_gradients(share)
+                if cp == 2:
+                    saved["cp_grads"] = export_grads(actor, hf_cfg)
+                stats = summarise(sums[:-2])
+                stats.update(actor.apply_gradients())
+                entry[f"cp{cp}_step"] = stats
+                saved[f"cp{cp}_weights"] = export_weights(actor, hf_cfg)
+            out["architectures"][arch] = entry
+            if ctx.rank == 0:
+                torch.save(saved, Path(out_dir) / f"{arch}.pt")
     except Exception:
         out["error"] = traceback.format_exc()
         raise

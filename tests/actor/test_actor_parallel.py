@@ -7,9 +7,13 @@ truncated IS, entropy bonus, k3 KL to a reference) and one response masked out o
 * one process (TP=1): the reference run with 1 micro-batch; the same with 2, 4 and a token budget
   of micro-batches; an independent gradient from HF transformers with the loss written out by hand;
   the LR schedule and gradient clipping;
-* four processes over gloo, one launch for five layouts: TP2xPP2, TP2xDP2, PP2xDP2, PP2xVPP2xDP2
-  and DP4, each data-parallel rank holding an UNEVEN share of the batch (5/2 at DP=2, 4/0/2/1 at
-  DP=4) and a token budget that gives every rank a different number of micro-batches.
+* four processes over gloo, one launch for eight layouts: TP2xPP2, TP2xDP2, PP2xDP2, PP2xVPP2xDP2,
+  DP4 and the context-parallel CP2xDP2, TP2xCP2 with sequence parallelism, PP2xCP2, each
+  data-parallel rank holding an UNEVEN share of the batch (5/2 at DP=2, 4/0/2/1 at DP=4) and a token
+  budget that gives every rank a different number of micro-batches;
+* two processes at CP=2 for Qwen2, Llama 3 (llama3 RoPE scaling) and Qwen3 (q/k norms): log-probs
+  and entropy against HF, the DDP gradient against the hand-written loss on the HF model, and the
+  weights after one update against CP=1 x DP=2. Sequence lengths are not multiples of 2*CP.
 
 Checked: log-probs equal HF's and the single-process ones within 1e-5; gradients after finalize
 (where the optimizer is not distributed), grad norms, the statistics, and the weights after two
@@ -35,7 +39,12 @@ LAYOUTS = [
     {"name": "pp2dp2", "tp": 1, "pp": 2, "dist_opt": True},
     {"name": "pp2vpp2dp2", "tp": 1, "pp": 2, "vpp": 2, "dist_opt": True},
     {"name": "dp4", "tp": 1, "pp": 1, "dist_opt": True},
+    # Context parallelism (no Transformer Engine: the SDPA core attention), with TP x SP and with PP.
+    {"name": "cp2dp2", "tp": 1, "pp": 1, "cp": 2, "dist_opt": True},
+    {"name": "tp2cp2sp", "tp": 2, "pp": 1, "cp": 2, "sp": True, "dist_opt": False},
+    {"name": "pp2cp2", "tp": 1, "pp": 2, "cp": 2, "dist_opt": False},
 ]
+CP_ARCHS = ("qwen2", "llama3", "qwen3")
 LOG_PROB_TOL = 1e-5
 GRAD_TOL = 2e-6  # absolute; gradients are up to ~0.3
 WEIGHT_TOL = 1e-6
@@ -193,3 +202,45 @@ def test_uneven_data_parallel_shares_run_the_same_number_of_micro_batches(layout
     dp4 = [rank["layouts"]["dp4"] for rank in ranks]
     assert sorted(len(entry["share"]) for entry in dp4) == [0, 1, 2, 4]  # one rank had no sequence at all
     assert len({entry["local_micro_batches"] for entry in dp4}) > 1
+
+
+def test_context_parallel_layouts_pad_to_their_multiple(layouts):
+    ranks, _ = layouts
+    expected = {"cp2dp2": 4, "tp2cp2sp": 8, "pp2cp2": 4, "tp2dp2": 1}  # 2*CP (x TP under SP)
+    for name, multiple in expected.items():
+        assert {rank["layouts"][name]["pad_to_multiple_of"] for rank in ranks} == {multiple}, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes: context parallelism on three architectures
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cp_architectures(tiny_model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("actor_cp_archs")
+    kwargs = {"model_dirs": {arch: str(tiny_model_dirs[arch]) for arch in CP_ARCHS}, "out_dir": str(out)}
+    result = run_torchrun_function(WORKER, "run_cp_architectures", nproc=2, kwargs=kwargs, timeout=420)
+    result.check()
+    return result.rank_results, {arch: torch.load(out / f"{arch}.pt") for arch in CP_ARCHS}
+
+
+@pytest.mark.parametrize("arch", CP_ARCHS)
+def test_context_parallel_equals_hf_and_cp1(cp_architectures, arch):
+    ranks, tensors = cp_architectures
+    saved = tensors[arch]
+    entry = ranks[0]["architectures"][arch]
+    assert entry["pad_to_multiple_of"] == 4
+    assert any(length % 4 for length in entry["model_lengths"])  # padding to 2*CP happens
+    for name in ("log_probs", "entropy"):
+        diff = float((saved[f"cp_{name}"] - saved[f"hf_{name}"]).abs().max())
+        assert diff < LOG_PROB_TOL, f"{name}: {diff}"
+    diff, name = _max_abs_diff(saved["cp_grads"], saved["hf_grads"])
+    assert diff < GRAD_TOL, f"{name}: {diff}"
+    diff, name = _max_abs_diff(saved["cp2_weights"], saved["cp1_weights"])
+    assert diff < WEIGHT_TOL, f"{name}: {diff}"
+    for rank in ranks:  # the same statistics on both CP ranks, equal to CP=1's
+        step = rank["architectures"][arch]
+        assert math.isclose(step["cp2_step"]["grad_norm"], step["cp1_step"]["grad_norm"], rel_tol=NORM_RTOL)
+        for key in COMPARED_STATS:
+            assert math.isclose(step["cp2_step"][key], step["cp1_step"][key], rel_tol=1e-5, abs_tol=1e-6), key

@@ -3,8 +3,8 @@
 * resume: a run stopped by SIGTERM after step 3 writes a checkpoint and exits 143; `--resume`
   continues it, and steps 4-5 equal those of an uninterrupted run (every logged value that is not a
   wall-clock time);
-* TP=2 and PP=2 over two gloo processes: step 1 equals the single-process run (same responses, same
-  rewards; losses within float32 reduction-order noise);
+* TP=2, PP=2 and CP=2 over two gloo processes: step 1 equals the single-process run (same responses,
+  same rewards; losses within float32 reduction-order noise);
 * clear errors (exit code 2, the key to change) for bad input.
 """
 
@@ -81,16 +81,24 @@ def test_sigterm_checkpoint_then_resume_equals_uninterrupted(demo_workspace, tmp
         assert not problems, f"step {step} differs after resume:\n" + "\n".join(problems[:20])
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
-def test_two_process_layouts_match_one_process(demo_workspace, tmp_path, layout):
-    one = tmp_path / "one"
+@pytest.fixture(scope="module")
+def one_process_step(demo_workspace, tmp_path_factory) -> dict:
+    """Step 1 of the tiny run in one process: the reference of the two-process layouts."""
+    one = tmp_path_factory.mktemp("one_process")
+    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=1", *workspace_overrides(demo_workspace, one)))
+    return read_metrics(one)[1]
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
+def test_two_process_layouts_match_one_process(demo_workspace, one_process_step, tmp_path, layout):
     two = tmp_path / "two"
     steps = ["trainer.total_steps=1"]
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *steps, *workspace_overrides(demo_workspace, one)))
     _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *steps, layout, *workspace_overrides(demo_workspace, two), nproc=2))
-    a, b = deterministic(read_metrics(one)[1]), deterministic(read_metrics(two)[1])
+    a, b = deterministic(one_process_step), deterministic(read_metrics(two)[1])
     exact = {k for k in a if k.startswith(("critic/", "response_length/", "prompt_length/", "train/"))}
     assert not _same({k: a[k] for k in exact}, {k: b[k] for k in exact}), "the rollout differs"
+    if layout == "parallel.cp=2":  # rows are padded to a multiple of 2*CP, and the budget is per rank
+        assert b.pop("actor/pad_fraction") >= a.pop("actor/pad_fraction")
     assert not _same(a, b, rel=1e-4), _same(a, b, rel=1e-4)
 
 
