@@ -190,4 +190,10 @@ class ParallelLayout:
                     layers = self.layers_of_stage(num_layers, pp_rank, v)
                     chunks.append(f"layers {layers.start}-{layers.stop - 1}")
                 lines.append(f"  PP stage {pp_rank}: " + "; ".join(chunks))
+        if self.cp > 1:
+            chunks = 2 * self.cp
+            lines.append(
+                f"  CP: every sequence is padded to a multiple of {chunks} (x tp under sequence parallelism) and cut "
+                f"into {chunks} chunks; CP rank r holds chunks r and {chunks - 1}-r (Megatron's load-balanced layout)"
+            )
         return "\n".join(lines)

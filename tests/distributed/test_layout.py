@@ -90,6 +90,9 @@ def test_describe_lists_groups_and_stages():
     assert "DP groups: [0, 2] [1, 3] [4, 6] [5, 7]" in text
     assert "PP stage 1: layers 4-7" in text
     assert "not resolved" in ParallelLayout(tp=2).describe()
+    context_parallel = ParallelLayout(tp=2, cp=2).resolve(8).describe()
+    assert "CP groups: [0, 2] [1, 3] [4, 6] [5, 7]" in context_parallel
+    assert "padded to a multiple of 4" in context_parallel and "chunks r and 3-r" in context_parallel
 
 
 def test_from_config_reads_parallel_section():
