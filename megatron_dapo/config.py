@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 __all__ = [
+    "ActorConfig",
     "AlgorithmConfig",
     "Config",
     "CustomRewardFunctionConfig",
@@ -82,6 +83,28 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     dp: Optional[int] = field(default=None, metadata={"derived": True})
     """Derived: world_size / (tp * pp * cp). Not settable."""
+
+
+@dataclass
+class ActorConfig:
+    """Where the actor's state lives while the rollout engine generates (`actor/offload.py`).
+
+    Offloaded state goes to host memory (pinned on GPUs) after the update and comes back before the
+    next old log-probs, so the engine can take the GPU: raise rollout.gpu_memory_utilization by what
+    `megatron-dapo plan` shows (its "with offload" figures). Order per step: engine sleep -> onload ->
+    log-probs -> update -> offload grads + optimizer -> wake engine weights -> weight sync -> offload
+    params -> wake KV cache -> generate. Round trips are bit-exact."""
+
+    offload_params: bool = False
+    """Move the weights (Megatron DDP's parameter buffers) to host memory during generation."""
+    offload_grads: bool = False
+    """Move the fp32 DDP gradient buffers to host memory during generation."""
+    offload_optimizer: bool = False
+    """Move the optimizer state (fp32 main params, Adam moments) to host memory during generation."""
+
+    @property
+    def offload_any(self) -> bool:
+        return self.offload_params or self.offload_grads or self.offload_optimizer
 
 
 @dataclass
@@ -281,6 +304,7 @@ class TrainerConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -26,6 +26,9 @@ def test_defaults_are_the_dapo_paper_settings():
     assert cfg.rollout.max_response_length == 20480 and cfg.rollout.n == 16
     assert not a.kl.use_kl_loss
     assert cfg.optimizer.lr == 1e-6 and cfg.optimizer.weight_decay == 0.1
+    # The actor stays resident unless asked (actor.offload_*).
+    assert not (cfg.actor.offload_params or cfg.actor.offload_grads or cfg.actor.offload_optimizer)
+    assert not cfg.actor.offload_any and load_config(None, ["actor.offload_grads=true"]).actor.offload_any
 
 
 def test_yaml_and_overrides_are_typed(tmp_path):
@@ -57,6 +60,8 @@ def test_yaml_and_overrides_are_typed(tmp_path):
         ("algorithm.kl=3", "'algorithm.kl' must be a mapping"),
         ("parallel.dp=2", "derived from the world size"),
         ("trainer.total_steps", "key=value"),
+        ("actor.offload_param=true", "Did you mean 'actor.offload_params'"),
+        ("actor.offload_optimizer=1", "'actor.offload_optimizer' must be bool"),
     ],
 )
 def test_bad_keys_and_types_name_the_key(override, expected):
