@@ -13,12 +13,27 @@ What one GPU holds, and when
 ----------------------------
 The actor, the rollout engine and the trainer share every GPU and take turns:
 
-* rollout phase: actor (params, grads, optimizer state: the trainer does not offload them) +
-  reference + the engine's memory pool (`rollout.gpu_memory_utilization` x GPU, the vLLM / SGLang
-  convention: weights, KV cache and the engine's own temporaries live inside it) + one weight-sync
-  bucket (`rollout.weight_sync_bucket_mb`) + reserve;
-* training phase: actor + reference + activations of one micro-batch + reserve; the engine sleeps
-  and its pool is released (`rollout.free_cache_engine`, the default; if it is off the pool stays).
+* generation: the actor state that is not offloaded (`actor.offload_params / _grads / _optimizer`;
+  without offload all of it: params, grads, optimizer state) + reference + the engine's memory pool
+  (`rollout.gpu_memory_utilization` x GPU, the vLLM / SGLang convention: weights, KV cache and the
+  engine's own temporaries live inside it) + reserve;
+* weight sync (after the update, `trainer.py`: grads and optimizer state go to host first if
+  offloaded, then the engine's weights wake, the push, then the params go to host, and only then
+  does the KV cache wake): the actor's params + the rest of the actor state not offloaded +
+  reference + the engine's weights (its whole pool if `rollout.free_cache_engine` is off: then
+  nothing sleeps) + one weight-sync bucket (`rollout.weight_sync_bucket_mb`) + reserve;
+  the rollout phase needs the larger of these two moments;
+* training phase: actor (all of it: whatever was offloaded is back) + reference + activations of
+  one micro-batch + reserve; the engine sleeps and its pool is released (`rollout.free_cache_engine`,
+  the default; if it is off the pool stays).
+
+Offload therefore lets the pool grow by the offloaded bytes: the largest `rollout.gpu_memory_utilization`
+is (GPU - actor state kept while generating - reference - reserve) / GPU, shown for the config's
+offload, for a resident actor and for everything offloaded. The offloaded bytes live in host memory
+(pinned) for the whole run: per GPU the fullest stage's offloaded state, plus the engine's weights
+where a sleeping engine keeps them there (vLLM at `rollout.sleep_level=1`, the embedded engine at
+either level; vLLM at level 2 and SGLang drop them);
+per node that times the GPUs per node (an upper bound with PP > 1, where stages differ).
 
 The reserve (`--reserve-gib`) stands for what no formula here counts: the CUDA context, NCCL
 buffers, allocator fragmentation with varying micro-batch shapes, and small per-token inputs
@@ -354,6 +369,15 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+OFFLOAD_KINDS = ("params", "grads", "optimizer")
+"""What `actor.offload_*` moves to host memory while the engine generates (`actor/offload.py`)."""
+
+
+def _actor_parts(actor: ActorMemory) -> dict[str, float]:
+    """The actor's bytes by offload kind: params, the grad buffer, optimizer = main params + moments."""
+    return {"params": actor.params, "grads": actor.grads, "optimizer": actor.main_params + actor.optimizer}
+
+
 def actor_memory(num_params: int, dtype: str = "bfloat16", optimizer_shards: int = 1) -> ActorMemory:
     """Weights, fp32 grad buffer, fp32 main weights and Adam moments of `num_params` parameters.
 
@@ -554,10 +578,29 @@ class RolloutMemory:
     """Full-length sequences whose KV cache fits the pool at once, per engine."""
     generation_sequences_per_engine: int
     """Sequences of one generation batch (gen_batch_size x n) each engine serves."""
+    offloaded: list[str]
+    """What the actor offloads while the engine generates (actor.offload_*): params, grads, optimizer."""
+    actor_kept: float
+    """Actor state + reference that stay on the fullest GPU while the engine generates."""
+    generation_total: float
+    """Kept actor state + reference + pool + reserve."""
+    sync_total: float
+    """At the weight sync: params + kept state + reference + engine weights (the pool if the engine
+    never sleeps) + weight-sync bucket + reserve."""
     phase_total: float
-    """Actor + reference + pool + weight-sync bucket + reserve on the fullest GPU."""
+    """The rollout phase: the larger of generation_total and sync_total."""
     max_gpu_memory_utilization: float
-    """The largest rollout.gpu_memory_utilization that still fits next to the resident actor."""
+    """The largest rollout.gpu_memory_utilization that fits with the config's offload."""
+    max_gpu_memory_utilization_resident: float
+    """... with the whole actor resident (no offload)."""
+    max_gpu_memory_utilization_offloaded: float
+    """... with params, grads and optimizer state offloaded."""
+    concurrent_full_sequences_at_max: int
+    """Full-length sequences per engine at max_gpu_memory_utilization."""
+    host_per_gpu: float
+    """Host memory the offloaded state (and, at sleep level 1, the sleeping engine's weights) takes per GPU."""
+    host_per_node: float
+    """host_per_gpu x GPUs per node (the fullest stage on every GPU: an upper bound with PP > 1)."""
 
 
 @dataclass
@@ -686,9 +729,33 @@ def plan_memory(
             )
         )
     binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
-    resident = max(s.actor.total + s.reference for s in stages)
     bucket = r.weight_sync_bucket_mb * 2**20
-    rollout_total = resident + pool + bucket + reserve
+    offloaded = [kind for kind in OFFLOAD_KINDS if getattr(cfg.actor, f"offload_{kind}")]
+
+    def kept(stage: StageMemory, away: list[str]) -> float:
+        """What `stage` keeps on the GPU while generating when `away` is offloaded."""
+        parts = _actor_parts(stage.actor)
+        return stage.reference + sum(parts[kind] for kind in OFFLOAD_KINDS if kind not in away)
+
+    actor_kept = max(kept(s, offloaded) for s in stages)
+    at_sync = max(kept(s, [k for k in offloaded if k != "params"]) for s in stages)  # the push reads the params
+    engine_at_sync = rollout_weights if r.free_cache_engine else pool
+    generation_total = actor_kept + pool + reserve
+    sync_total = at_sync + engine_at_sync + bucket + reserve
+
+    def largest_utilization(away: list[str]) -> float:
+        room = gpu - max(kept(s, away) for s in stages) - reserve
+        if not r.free_cache_engine:  # the pool is there during the sync too
+            room = min(room, gpu - max(kept(s, [k for k in away if k != "params"]) for s in stages) - bucket - reserve)
+        return max(0.0, room / gpu)
+
+    def full_sequences(pool_bytes: float) -> int:
+        return int(max(0.0, pool_bytes - rollout_weights) // (kv_per_token * longest))
+
+    max_utilization = largest_utilization(offloaded)
+    host_per_gpu = max(sum(_actor_parts(s.actor)[k] for k in offloaded) for s in stages)
+    if r.free_cache_engine and (r.engine == "embedded" or (r.engine == "vllm" and r.sleep_level == 1)):
+        host_per_gpu += rollout_weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
     rollout = RolloutMemory(
         tp=r.tp,
         engines=engines,
@@ -697,11 +764,21 @@ def plan_memory(
         pool=pool,
         kv_cache=kv_cache,
         full_sequence_tokens=longest,
-        concurrent_full_sequences=int(kv_cache // (kv_per_token * longest)),
+        concurrent_full_sequences=full_sequences(pool),
         generation_sequences_per_engine=math.ceil(t.gen_batch_size * r.n / engines),
-        phase_total=rollout_total,
-        max_gpu_memory_utilization=max(0.0, (gpu - resident - bucket - reserve) / gpu),
+        offloaded=offloaded,
+        actor_kept=actor_kept,
+        generation_total=generation_total,
+        sync_total=sync_total,
+        phase_total=max(generation_total, sync_total),
+        max_gpu_memory_utilization=max_utilization,
+        max_gpu_memory_utilization_resident=largest_utilization([]),
+        max_gpu_memory_utilization_offloaded=largest_utilization(list(OFFLOAD_KINDS)),
+        concurrent_full_sequences_at_max=full_sequences(max_utilization * gpu),
+        host_per_gpu=host_per_gpu,
+        host_per_node=host_per_gpu * cluster.gpus_per_node,
     )
+    rollout_total = rollout.phase_total
 
     notes = []
     if not p.use_distributed_optimizer:
@@ -765,6 +842,11 @@ def _gib(value: float) -> str:
     return f"{value / GIB:8.2f} GiB"
 
 
+def _down(fraction: float) -> str:
+    """A utilisation with two decimals, rounded down (a printed limit must not exceed the real one)."""
+    return f"{math.floor(fraction * 100 + 1e-9) / 100:.2f}"
+
+
 def _row(label: str, *values: str) -> str:
     return (f"  {label:<54}" + "".join(f"{v:>18}" for v in values)).rstrip()
 
@@ -773,6 +855,7 @@ def format_plan(plan: MemoryPlan) -> str:
     """The plan as a readable table (what `megatron-dapo plan` prints)."""
     s = plan.stages[plan.binding_stage]
     on = lambda flag: "on" if flag else "off"  # noqa: E731
+    fits = lambda total: "yes" if total <= plan.gpu_memory else "NO"  # noqa: E731
     r = plan.rollout
     lines = [
         f"memory plan: {plan.model_name or plan.architecture} ({plan.architecture}, {plan.hf_parameters / 1e9:.2f}B "
@@ -807,6 +890,10 @@ def format_plan(plan: MemoryPlan) -> str:
         _row(f"  full-length sequences ({r.full_sequence_tokens} tokens) at once", f"{r.concurrent_full_sequences:>12} / engine"),
         _row("  sequences per generation batch", f"{r.generation_sequences_per_engine:>12} / engine"),
         "",
+        _row("actor offload while generating (actor.offload_*)", ", ".join(r.offloaded) or "none"),
+        _row("  actor state kept on the GPU (+ reference)", _gib(r.actor_kept)),
+        _row("  host memory, pinned (per GPU, per node)", _gib(r.host_per_gpu), _gib(r.host_per_node)),
+        "",
         _row("activations (actor update, per token)", "no recompute", "full recompute"),
         _row(
             "  per token of the micro-batch",
@@ -821,15 +908,17 @@ def format_plan(plan: MemoryPlan) -> str:
         ),
         _row(f"  at the config's budget ({plan.micro_batch_tokens} tokens)", _gib(s.activation_at_budget)),
         "",
-        _row("phase totals (fullest GPU)", "total", "fits"),
+        _row("phase totals (fullest GPU, reserve included)", "total", "fits"),
+        _row("  generation: actor state kept + ref + engine pool", _gib(r.generation_total), fits(r.generation_total)),
         _row(
-            "  rollout: actor + ref + pool + sync bucket + reserve",
-            _gib(r.phase_total),
-            "yes" if plan.rollout_fits else "NO",
+            "  weight sync: params + kept + engine "
+            + ("weights" if not plan.engine_pool_during_training else "pool")
+            + " + bucket",
+            _gib(r.sync_total),
+            fits(r.sync_total),
         ),
         _row(
-            "  training: actor + ref + activations + reserve"
-            + (" + pool" if plan.engine_pool_during_training else ""),
+            "  training: actor + ref + activations" + (" + pool" if plan.engine_pool_during_training else ""),
             _gib(max(x.training_total for x in plan.stages)),
             "yes" if plan.training_fits else "NO",
         ),
@@ -837,7 +926,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"largest trainer.max_tokens_per_micro_batch: {plan.max_tokens_per_micro_batch} "
         f"(full recompute {on(plan.recompute)}; config uses {plan.micro_batch_tokens}, "
         f"longest sequence {plan.longest_sequence})",
-        f"largest rollout.gpu_memory_utilization next to the resident actor: {r.max_gpu_memory_utilization:.2f}",
+        f"largest rollout.gpu_memory_utilization: {_down(r.max_gpu_memory_utilization)} with this offload "
+        f"({r.concurrent_full_sequences_at_max} full-length sequences per engine); "
+        f"{_down(r.max_gpu_memory_utilization_resident)} with the actor resident, "
+        f"{_down(r.max_gpu_memory_utilization_offloaded)} with params, grads and optimizer offloaded",
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)
@@ -849,8 +941,10 @@ def format_plan(plan: MemoryPlan) -> str:
 
 DESCRIPTION = (
     "Per-GPU memory of a DAPO config on a cluster: actor params / grads / optimizer (with and without "
-    "the distributed optimizer), reference, rollout weights and KV cache, activations, and the largest "
-    "trainer.max_tokens_per_micro_batch that fits. Exit status: 0 fits, 1 configuration error, 3 does not fit."
+    "the distributed optimizer), reference, rollout weights and KV cache, activations, the largest "
+    "trainer.max_tokens_per_micro_batch that fits, and the largest rollout.gpu_memory_utilization with and "
+    "without actor offload (actor.offload_*) and the host memory offload takes. Exit status: 0 fits, "
+    "1 configuration error, 3 does not fit."
 )
 
 

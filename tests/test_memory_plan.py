@@ -450,6 +450,64 @@ def test_plan_accounts_for_recompute_reference_and_pool():
     assert plain_optimizer.stages[0].actor.total == plain.stages[0].actor_plain_optimizer.total
 
 
+OFFLOAD_ALL = ["actor.offload_params=true", "actor.offload_grads=true", "actor.offload_optimizer=true", "rollout.sleep_level=2"]
+
+
+def test_offload_frees_the_actor_state_for_the_engine_pool():
+    """What each moment of the step holds with and without actor offload (see the module doc)."""
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "rollout.tp=2", "rollout.engine=vllm", "rollout.sleep_level=2"]
+    resident, offloaded = plan_for(base), plan_for(base + OFFLOAD_ALL)
+    gpu, reserve, bucket = resident.gpu_memory, resident.reserve, 512 * 2**20
+    actor = resident.stages[0].actor
+    r, o = resident.rollout, offloaded.rollout
+    # Resident: the whole actor next to the pool while generating; at the sync the KV cache sleeps.
+    assert r.offloaded == [] and r.actor_kept == actor.total
+    assert r.generation_total == pytest.approx(actor.total + r.pool + reserve)
+    assert r.sync_total == pytest.approx(actor.total + r.weights + bucket + reserve)
+    assert r.max_gpu_memory_utilization == pytest.approx((gpu - actor.total - reserve) / gpu)
+    assert r.host_per_gpu == 0  # level 2: the sleeping engine keeps nothing in host memory
+    # Offloaded: nothing of the actor while generating, only its params during the sync.
+    assert o.offloaded == ["params", "grads", "optimizer"] and o.actor_kept == 0
+    assert o.generation_total == pytest.approx(o.pool + reserve)
+    assert o.sync_total == pytest.approx(actor.params + o.weights + bucket + reserve)
+    assert o.max_gpu_memory_utilization == o.max_gpu_memory_utilization_offloaded == pytest.approx((gpu - reserve) / gpu)
+    assert o.max_gpu_memory_utilization_resident == pytest.approx(r.max_gpu_memory_utilization)
+    assert o.host_per_gpu == pytest.approx(actor.total) and o.host_per_node == pytest.approx(8 * actor.total)
+    # Training needs the whole actor either way; the same utilisation gives the same pool.
+    assert offloaded.stages[0].training_total == resident.stages[0].training_total
+    assert o.concurrent_full_sequences == r.concurrent_full_sequences
+    # The larger pool that offload allows holds more full-length sequences.
+    per_sequence = o.kv_bytes_per_token * o.full_sequence_tokens
+    assert o.concurrent_full_sequences_at_max == int((o.max_gpu_memory_utilization * gpu - o.weights) // per_sequence)
+    assert o.concurrent_full_sequences_at_max > r.concurrent_full_sequences_at_max
+
+
+def test_partial_offload_keeps_the_rest_and_level_one_keeps_engine_weights_on_the_host():
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "rollout.tp=2", "rollout.engine=vllm"]
+    plan = plan_for(base + ["actor.offload_optimizer=true"])  # sleep level 1 (the default): vLLM keeps its weights on the host
+    actor, r = plan.stages[0].actor, plan.rollout
+    assert r.offloaded == ["optimizer"]
+    assert r.actor_kept == pytest.approx(actor.params + actor.grads)
+    assert r.sync_total == pytest.approx(actor.params + actor.grads + r.weights + 512 * 2**20 + plan.reserve)
+    assert r.host_per_gpu == pytest.approx(actor.main_params + actor.optimizer + r.weights)
+    # An engine that never sleeps keeps its pool through the sync: the bucket must fit next to it.
+    awake = plan_for(base + OFFLOAD_ALL + ["rollout.free_cache_engine=false"]).rollout
+    assert awake.sync_total == pytest.approx(actor.params + awake.pool + 512 * 2**20 + plan.reserve)
+    room = plan.gpu_memory - actor.params - 512 * 2**20 - plan.reserve
+    assert awake.max_gpu_memory_utilization == pytest.approx(room / plan.gpu_memory)
+    assert awake.host_per_gpu == pytest.approx(actor.total)  # nothing sleeps: no engine weights on the host
+    assert plan_for(base + ["rollout.engine=sglang"]).rollout.host_per_gpu == 0  # SGLang drops them at any level
+
+
+def test_offload_table_lines():
+    table = mp.format_plan(plan_for(["parallel.tp=4", "parallel.sequence_parallel=true", "rollout.tp=2", "rollout.engine=vllm", *OFFLOAD_ALL]))
+    assert "actor offload while generating (actor.offload_*)" in table and "params, grads, optimizer" in table
+    assert "host memory, pinned (per GPU, per node)" in table
+    assert "weight sync: params + kept + engine weights + bucket" in table
+    assert "largest rollout.gpu_memory_utilization: 0.92 with this offload (" in table  # (80 - 6) / 80 = 0.925, rounded down
+    assert "with the actor resident, 0.92 with params, grads and optimizer offloaded" in table
+
+
 def test_plan_without_transformer_engine_counts_the_unfused_swiglu():
     base = ["parallel.tp=4", "parallel.sequence_parallel=true"]
     fused, unfused = plan_for(base), plan_for(base + ["model.transformer_engine='off'"])  # quoted: YAML reads off as false

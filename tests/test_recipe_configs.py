@@ -104,13 +104,41 @@ def test_recipe_fits_80gb_gpus_and_quotes_the_planner(name):
     assert quoted and f"largest trainer.max_tokens_per_micro_batch: {quoted.group(1)} " in table
     stage = plan.stages[plan.binding_stage]
     d, n = stage.actor_distributed_optimizer, stage.actor_plain_optimizer
+    r = plan.rollout
     expected_lines = [
         f"{d.total / mp.GIB:.2f} GiB / {n.total / mp.GIB:.2f} GiB",
-        f"KV pool {plan.rollout.kv_cache / mp.GIB:.2f} GiB ({plan.rollout.concurrent_full_sequences} full-length",
+        f"KV pool {r.kv_cache / mp.GIB:.2f} GiB ({r.concurrent_full_sequences} full-length",
         f"{stage.activation_per_token_no_recompute / 1024:.1f} KiB (no recompute), "
         f"{stage.activation_per_token_full_recompute / 1024:.1f} KiB (full recompute)",
-        f"{plan.rollout.phase_total / mp.GIB:.2f} GiB   fits",
+        f"{r.phase_total / mp.GIB:.2f} GiB   fits",
+        f"generation:  kept actor state (none) + pool + reserve         {r.generation_total / mp.GIB:.2f} GiB   fits",
+        f"weight sync: params + engine weights + bucket + reserve       {r.sync_total / mp.GIB:.2f} GiB   fits",
         f"{max(s.training_total for s in plan.stages) / mp.GIB:.2f} GiB   fits",
+        f"host memory {r.host_per_gpu / mp.GIB:.2f} GiB per GPU, {r.host_per_node / mp.GIB:.2f} GiB per node",
+        f"largest rollout.gpu_memory_utilization: {mp._down(r.max_gpu_memory_utilization)} with this offload "
+        f"({r.concurrent_full_sequences_at_max} full-length sequences per engine); "
+        f"{mp._down(r.max_gpu_memory_utilization_resident)} with the actor resident",
     ]
     for line in expected_lines:
         assert line in text, line
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_offloads_the_actor_while_generating(name):
+    """The anchors' rollout memory discipline (verl, slime): actor state to host memory, sleep level 2,
+    and the pool that frees: more full-length sequences per engine than next to a resident actor."""
+    model_name, nodes = RECIPES[name]
+    cfg = load_config(CONFIGS / name)
+    assert cfg.actor.offload_params and cfg.actor.offload_grads and cfg.actor.offload_optimizer
+    assert cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 2
+    plan = mp.plan_memory(cfg, mp.known_model(model_name), mp.ClusterShape(nodes=nodes), model_name=model_name)
+    r = plan.rollout
+    assert r.actor_kept == 0 and r.offloaded == ["params", "grads", "optimizer"]
+    # The utilisation is above what a resident actor allows: the recipe depends on the offload.
+    assert r.max_gpu_memory_utilization_resident < cfg.rollout.gpu_memory_utilization <= r.max_gpu_memory_utilization
+    resident = mp.plan_memory(
+        load_config(CONFIGS / name, ["actor.offload_params=false", "actor.offload_grads=false", "actor.offload_optimizer=false",
+                                     f"rollout.gpu_memory_utilization={mp._down(r.max_gpu_memory_utilization_resident)}"]),
+        mp.known_model(model_name), mp.ClusterShape(nodes=nodes),
+    )  # fmt: skip
+    assert resident.fits and r.concurrent_full_sequences > resident.rollout.concurrent_full_sequences
