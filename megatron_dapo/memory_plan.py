@@ -78,7 +78,10 @@ the last the output side: final-norm input and output-layer input (2 x 2h/s), th
 shard and its gradient (2 x 2V/TP: `model/logprobs.py` saves the logits by reference and builds
 one gradient of the same size), plus two fp32 [chunk x V/TP] buffers of the chunked log-prob
 (a fixed amount, `LOGPROB_CHUNK_TOKENS`); a temperature other than 1 adds one more logits copy.
-Context parallelism divides the per-token terms by CP (the actor itself runs CP=1 today).
+Context parallelism: a rank computes 1/CP of each sequence, so the per-token figures are per token a
+rank computes and a micro-batch holds CP times the budget in sequence tokens. At a fixed world size,
+TP and PP the actor state per GPU does not change with CP (the distributed optimizer shards over
+DP x CP, a constant), so the plan also gives the smallest CP whose micro-batch holds the longest sequence.
 
 The largest `trainer.max_tokens_per_micro_batch` is then (GPU - reserve - fixed) / per-token on
 the pipeline stage where it is smallest.
@@ -496,7 +499,13 @@ def stage_activation_bytes(
     dropout_masks: bool = False,
     fused_swiglu: bool = True,
 ) -> StageActivation:
-    """Peak activation memory of one pipeline stage's rank during the actor update."""
+    """Peak activation memory of one pipeline stage's rank during the actor update.
+
+    Per token the rank computes: under context parallelism a rank computes 1/CP of every sequence (its
+    2 of the 2*CP chunks), so `per_token` does not depend on CP, while a micro-batch of ``n`` sequence
+    tokens costs ``n / CP`` of them (the all-gathered K/V of the layer being computed, 2 x 2gd/TP per
+    token of the sequence, is transient and left to the reserve). ``cp`` is accepted for symmetry.
+    """
     s = _sequence_split(tp, sequence_parallel)
     in_flight = in_flight_microbatches(pp, vpp, stage)
     layers = model.num_layers // pp
@@ -515,7 +524,7 @@ def stage_activation_bytes(
     if stage == pp - 1:
         per_token += output_activation_bytes_per_token(model, tp, sequence_parallel, temperature)
         fixed += 2 * 4 * LOGPROB_CHUNK_TOKENS * _padded_vocab(model, tp) / tp
-    return StageActivation(per_token=per_token / cp, fixed=fixed)
+    return StageActivation(per_token=per_token, fixed=fixed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,13 +634,19 @@ class MemoryPlan:
     reference_built: bool
     engine_pool_during_training: bool
     micro_batch_tokens: int
-    """The config's budget: trainer.max_tokens_per_micro_batch, or micro_batch_size x longest sequence."""
+    """The config's budget per rank: trainer.max_tokens_per_micro_batch, or micro_batch_size x longest sequence / CP."""
     longest_sequence: int
     stages: list[StageMemory]
     binding_stage: int
     """The stage with the smallest token budget (reported in the table)."""
     rollout: RolloutMemory
     max_tokens_per_micro_batch: int
+    """Per rank (under CP a rank computes 1/CP of each sequence's tokens)."""
+    longest_sequence_per_micro_batch: int
+    """max_tokens_per_micro_batch x CP: the longest sequence one micro-batch can hold."""
+    min_cp_for_longest_sequence: Optional[int]
+    """The smallest parallel.cp (a divisor of world / (TP x PP)) whose micro-batch holds the longest sequence at this
+    world, TP and PP; None: no CP does."""
     training_fits: bool
     rollout_fits: bool
     notes: list[str] = field(default_factory=list)
@@ -672,7 +687,8 @@ def plan_memory(
     gpu = cluster.gpu_memory_bytes
     reserve = reserve_gib * GIB
     longest = r.max_prompt_length + r.max_response_length
-    budget = t.max_tokens_per_micro_batch or t.micro_batch_size * longest
+    # Per rank, as the actor plans micro-batches: under CP a rank computes 1/CP of each sequence's tokens.
+    budget = t.max_tokens_per_micro_batch or math.ceil(t.micro_batch_size * longest / p.cp)
     sp = p.sequence_parallel and p.tp > 1
     shards = dp * p.cp if p.use_distributed_optimizer else 1
     reference_built = cfg.algorithm.kl.use_kl_loss
@@ -794,12 +810,18 @@ def plan_memory(
             "model.transformer_engine=off: the local layer spec runs right-padded rows (no packing), so a "
             "micro-batch's tokens count its padding (rows x longest row); SwiGLU counted unfused"
         )
-    if p.cp > 1:
-        notes.append("parallel.cp > 1: the actor runs CP=1 today (figures assume tokens split over CP)")
-    if binding.max_tokens < longest:
+    # At a fixed world size, TP and PP the actor state per GPU does not depend on CP (the distributed
+    # optimizer shards over DP x CP, a constant), so the longest sequence grows exactly with CP.
+    longest_per_micro_batch = binding.max_tokens * p.cp
+    wanted = math.ceil(longest / binding.max_tokens) if binding.max_tokens > 0 else None
+    cp_choices = [c for c in range(1, world // (p.tp * p.pp) + 1) if (world // (p.tp * p.pp)) % c == 0]
+    cp_needed = next((c for c in cp_choices if wanted is not None and c >= wanted), None)
+    if longest_per_micro_batch < longest:
+        remedy = f"set parallel.cp >= {cp_needed} (context parallelism), " if cp_needed else ""
         notes.append(
-            f"one full-length sequence ({longest} tokens) does not fit a micro-batch: enable "
-            "model.recompute_activations, sequence parallelism, or raise parallel.tp / parallel.pp"
+            f"one full-length sequence ({longest} tokens) does not fit a micro-batch ({longest_per_micro_batch} "
+            f"tokens at CP={p.cp}): {remedy}enable model.recompute_activations, sequence parallelism, or raise "
+            "parallel.tp / parallel.pp"
         )
     return MemoryPlan(
         model_name=model_name,
@@ -827,7 +849,9 @@ def plan_memory(
         binding_stage=binding.stage,
         rollout=rollout,
         max_tokens_per_micro_batch=binding.max_tokens,
-        training_fits=all(s.training_total <= gpu for s in stages) and binding.max_tokens >= longest,
+        longest_sequence_per_micro_batch=longest_per_micro_batch,
+        min_cp_for_longest_sequence=cp_needed,
+        training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
         rollout_fits=rollout_total <= gpu and rollout.concurrent_full_sequences >= 1,
         notes=notes,
     )
@@ -926,6 +950,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"largest trainer.max_tokens_per_micro_batch: {plan.max_tokens_per_micro_batch} "
         f"(full recompute {on(plan.recompute)}; config uses {plan.micro_batch_tokens}, "
         f"longest sequence {plan.longest_sequence})",
+        f"context parallelism: at CP={plan.cp} one micro-batch holds a sequence of up to "
+        f"{plan.longest_sequence_per_micro_batch} tokens; the longest sequence ({plan.longest_sequence}) needs "
+        + (f"CP >= {plan.min_cp_for_longest_sequence}" if plan.min_cp_for_longest_sequence else "more memory than any CP gives"),
         f"largest rollout.gpu_memory_utilization: {_down(r.max_gpu_memory_utilization)} with this offload "
         f"({r.concurrent_full_sequences_at_max} full-length sequences per engine); "
         f"{_down(r.max_gpu_memory_utilization_resident)} with the actor resident, "

@@ -435,6 +435,25 @@ def test_largest_budget_is_the_boundary():
     assert plan.max_tokens_per_micro_batch == min(s.max_tokens for s in plan.stages)
 
 
+def test_context_parallelism_holds_cp_times_longer_sequences():
+    """The per-rank budget does not depend on CP; a micro-batch holds CP x that; the plan names the CP needed."""
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "model.recompute_activations=false",
+            "rollout.max_prompt_length=2048", "rollout.max_response_length=20480"]  # fmt: skip
+    plans = {cp: plan_for([*base, f"parallel.cp={cp}"], model="qwen2.5-32b", nodes=4) for cp in (1, 2, 4)}
+    budget = plans[1].max_tokens_per_micro_batch
+    assert 0 < budget < 22528  # without recompute one 22.5k-token sequence does not fit at CP=1
+    for cp, plan in plans.items():
+        assert plan.max_tokens_per_micro_batch == budget  # actor state per GPU is the same at any CP
+        assert plan.longest_sequence_per_micro_batch == budget * cp
+        wanted = -(-22528 // budget)
+        assert plan.min_cp_for_longest_sequence == min(c for c in (1, 2, 4, 8) if c >= wanted)  # divisors of 32 / 4
+        assert not plan.training_fits
+        assert f"set parallel.cp >= {plan.min_cp_for_longest_sequence}" in plan.notes[-1]
+    enough = plan_for([*base, f"parallel.cp={plans[1].min_cp_for_longest_sequence}"], model="qwen2.5-32b", nodes=4)
+    assert enough.longest_sequence_per_micro_batch >= 22528 and enough.training_fits
+    assert "CP >= " in mp.format_plan(enough)
+
+
 def test_plan_accounts_for_recompute_reference_and_pool():
     base = ["parallel.tp=4", "parallel.sequence_parallel=true", "trainer.max_tokens_per_micro_batch=32768"]
     plain = plan_for(base)
