@@ -76,7 +76,9 @@ class ParallelConfig:
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved 1F1B); null disables it."""
     cp: int = 1
-    """Context-parallel size (needs Transformer Engine)."""
+    """Context-parallel size: each sequence is cut into 2*CP chunks shared by CP ranks (with or without
+    Transformer Engine; without it the SDPA core attention all-gathers K/V). `megatron-dapo plan` prints
+    the CP a sequence length needs."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside TP groups."""
     use_distributed_optimizer: bool = True
