@@ -129,3 +129,27 @@ def test_masked_response_keeps_its_tokens_but_not_its_loss():
     mb = build_micro_batch(batch, [0, 1, 2, 3])
     assert torch.equal(mb.response_valid, batch.response_valid_mask()[:, : mb.response_valid.shape[1]])
     assert not mb.loss_mask[2].any()
+
+
+def test_split_for_context_parallel_takes_megatrons_chunks():
+    # (split_for_cp_rank itself is checked against Megatron's get_batch_on_this_cp_rank in tests/distributed.)
+    from megatron_dapo.actor.batch import split_for_context_parallel
+    from megatron_dapo.distributed.context_parallel import full_order_from_rank_parts
+
+    batch = PolicyBatch.from_token_lists([[5, 6, 7], [8]], [[1, 2, 3, 4, 9], [3]])
+    micro = build_micro_batch(batch, [0, 1], pad_to_multiple_of=4)  # 2*CP at CP=2
+    assert micro.seq_length == 8 and micro.context_parallel == 1  # 7 tokens padded to a multiple of 4
+    parts = [split_for_context_parallel(micro, 2, rank) for rank in range(2)]
+    for rank, part in enumerate(parts):
+        assert part.context_parallel == 2 and part.seq_length == 4
+        chunks = [rank, 3 - rank]  # chunks r and 2*CP-1-r of 2-token chunks
+        expected = torch.cat([micro.input_ids[:, 2 * c : 2 * c + 2] for c in chunks], dim=1)
+        assert torch.equal(part.input_ids, expected)
+        assert torch.equal(part.gather_index, micro.gather_index)  # response-aligned fields stay whole
+        assert part.computed_tokens == micro.computed_tokens
+    for name in ("input_ids", "position_ids", "labels"):
+        assert torch.equal(full_order_from_rank_parts([getattr(p, name) for p in parts], 1), getattr(micro, name))
+    with pytest.raises(ValueError, match="not a multiple of 2\\*CP"):
+        split_for_context_parallel(build_micro_batch(batch, [0, 1]), 2, 0)
+    with pytest.raises(ValueError, match="already split"):
+        split_for_context_parallel(parts[0], 2, 0)

@@ -93,4 +93,21 @@ def cpu_behaviour() -> dict:
         "fork_uses_tp_seed": torch.equal(b1, b1_ref) and torch.equal(b2, b2_ref),
     }
     out["megatron_causal_mask_device"] = get_default_causal_mask(4).device.type
+
+    # Backward of a Python autograd function that allocates on the "current CUDA device", reached through
+    # torch.autograd.backward as Megatron's schedules call it (the mode is off inside its own handler).
+    class AllocatesInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            buffer = torch.empty(grad.shape, dtype=grad.dtype, device=torch.cuda.current_device())
+            return buffer.copy_(grad * 2)
+
+    leaf = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(AllocatesInBackward.apply(leaf).sum())
+    out["backward_allocation"] = leaf.grad.tolist()
+    out["modes_after_backward"] = len(_get_current_function_mode_stack())
     return out

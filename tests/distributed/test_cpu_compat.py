@@ -58,3 +58,9 @@ def test_streams_and_events_are_inert(cpu_observed):
 def test_megatron_rng_tracker_runs_on_cpu_generator(cpu_observed):
     assert cpu_observed["rng"] == {"default_stream_kept": True, "fork_uses_tp_seed": True}
     assert cpu_observed["megatron_causal_mask_device"] == "cpu"
+
+
+def test_backward_of_python_functions_is_rerouted_too(cpu_observed):
+    # Megatron's sequence-parallel linear allocates its reduce-scatter buffer this way in backward.
+    assert cpu_observed["backward_allocation"] == [2.0, 2.0, 2.0]
+    assert cpu_observed["modes_after_backward"] == 1
