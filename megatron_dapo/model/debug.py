@@ -60,8 +60,21 @@ def megatron_logits(
     if batch % micro_batch_size != 0:
         raise ValueError(f"batch {batch} is not a multiple of micro_batch_size {micro_batch_size}")
     num_micro = batch // micro_batch_size
-    mask = attention_mask_for(models[0], seq_len, device)
-    position_ids = torch.arange(seq_len, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+    cp_size = ps.get_context_parallel_world_size()
+    if cp_size > 1:
+        # Context parallelism: right-pad to the chunk multiple, keep this rank's 2 of the 2*CP chunks;
+        # the attention is causal by itself (no mask), the logits are gathered back below.
+        from megatron_dapo.distributed.context_parallel import cp_pad_multiple, padded_length, split_for_cp_rank
+
+        config = models[0].config
+        multiple = cp_pad_multiple(cp_size, config.tensor_model_parallel_size, config.sequence_parallel)
+        padding = padded_length(seq_len, multiple) - seq_len
+        input_ids = torch.nn.functional.pad(input_ids, (0, padding))
+        input_ids = split_for_cp_rank(input_ids, 1, cp_size, ps.get_context_parallel_rank())
+        mask = None
+    else:
+        mask = attention_mask_for(models[0], seq_len, device)
+    position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0).expand(micro_batch_size, -1)
     micro_batches = [input_ids[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(num_micro)]
 
     def forward_step(data_iterator, model):
@@ -79,7 +92,7 @@ def megatron_logits(
         data_iterator=iterators if len(models) > 1 else iterators[0],
         model=models if len(models) > 1 else models[0],
         num_microbatches=num_micro,
-        seq_length=seq_len,
+        seq_length=input_ids.shape[1] * cp_size,
         micro_batch_size=micro_batch_size,
         forward_only=True,
         collect_non_loss_data=True,
@@ -89,6 +102,10 @@ def megatron_logits(
     result = None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         logits = torch.cat([gather_from_tensor_model_parallel_region(o) for o in outputs], dim=0)
+        if cp_size > 1:
+            from megatron_dapo.distributed.context_parallel import gather_sequence_keep_slice
+
+            logits = gather_sequence_keep_slice(logits, 1, ps.get_context_parallel_group())[:, :seq_len]
         result = logits[..., :vocab_size] if vocab_size is not None else logits
     if broadcast and ps.get_pipeline_model_parallel_world_size() > 1:
         src, group = _last_stage_rank_and_group()

@@ -112,7 +112,7 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
     ctx = None
     try:
         for spec in layouts:
-            layout = ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp"))
+            layout = ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp"), cp=spec.get("cp", 1))
             if ctx is not None:
                 teardown(keep_process_group=True)
             ctx = init_distributed(layout, timeout_s=240, seed=5)
@@ -127,6 +127,7 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
                     "tp": _group_ranks(ps.get_tensor_model_parallel_group),
                     "pp": _group_ranks(ps.get_pipeline_model_parallel_group),
                     "dp": _group_ranks(ps.get_data_parallel_group),
+                    "cp": _group_ranks(ps.get_context_parallel_group),
                 },
                 "archs": {},
             }

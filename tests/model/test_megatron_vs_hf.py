@@ -2,7 +2,7 @@
 
 For each tiny architecture (Qwen2 untied and tied, Llama with llama3 RoPE scaling, Qwen3 with q/k
 norm and head_dim != hidden/heads) and each parallel layout (TP=1 in a plain single process; TP=2,
-PP=2, TP=2 x PP=2 and PP=2 x VPP=2 in one 4-process torchrun launch over gloo):
+PP=2, TP=2 x PP=2, PP=2 x VPP=2 and TP=2 x CP=2 in one 4-process torchrun launch over gloo):
 - Megatron's logits equal HF transformers' (eager attention, float32) within 1e-5 max abs;
 - exporting the Megatron shards back to HF names gives exactly the saved tensors (bit-identical,
   same names, same order on every rank);
@@ -23,7 +23,7 @@ from torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_megatron_worker.py"
 TOL = 1e-5
-BATCH, SEQ_LEN, VOCAB = 4, 24, 300
+BATCH, SEQ_LEN, VOCAB = 4, 22, 300  # 22: not a multiple of 2*CP = 4 (the CP layout pads)
 
 SINGLE_LAYOUTS = [{"name": "tp1", "tp": 1, "pp": 1}]
 MULTI_LAYOUTS = [
@@ -31,6 +31,7 @@ MULTI_LAYOUTS = [
     {"name": "pp2", "tp": 1, "pp": 2},
     {"name": "tp2pp2", "tp": 2, "pp": 2},
     {"name": "pp2vpp2", "tp": 1, "pp": 2, "vpp": 2},
+    {"name": "tp2cp2", "tp": 2, "pp": 1, "cp": 2},  # context parallelism, SDPA attention (no TE)
 ]
 MULTI_NPROC = 4
 SINGLE_CORRUPT = {"layout": "tp1", "arch": "qwen2", "layer": 2}
@@ -105,11 +106,11 @@ def test_export_is_bit_exact(results, layout, arch):
 def test_process_groups_match_layout(results, layout):
     spec = next(s for s in SINGLE_LAYOUTS + MULTI_LAYOUTS if s["name"] == layout)
     ranks = results(layout)
-    expected = ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp")).resolve(len(ranks))
+    expected = ParallelLayout(tp=spec["tp"], pp=spec["pp"], vpp=spec.get("vpp"), cp=spec.get("cp", 1)).resolve(len(ranks))
     for rank_result in ranks:
         rank = rank_result["rank"]
         assert rank_result["world_size"] == len(ranks)
-        for kind in ("tp", "pp", "dp"):
+        for kind in ("tp", "pp", "dp", "cp"):
             described = next(g for g in expected.groups(kind) if rank in g)
             assert rank_result["groups"][kind] == described, (kind, rank)
 
