@@ -9,6 +9,12 @@ One step, as in the paper (Yu et al., 2025, Algorithm 1):
     -> actor update in ppo_mini_batch_size mini-batches (clip-higher, token-mean over the mini-batch)
     -> weight sync to the rollout engine -> metrics, validation, checkpoint
 
+The GPU changes hands twice per step (`_actor_takes_gpu`, `_engine_takes_gpu`): the engine sleeps
+(`rollout.sleep_level`) and the actor's offloaded state comes back (`actor.offload_*`) before the
+log-probs; after the update grads and optimizer state go to host memory, the engine's weights wake,
+the new weights are pushed, the actor's params go to host memory and only then does the engine's KV
+cache wake. So the KV cache never shares the GPU with the actor state that is offloaded.
+
 Every data-dependent decision (is the batch full? stop on SIGTERM?) is taken from values gathered
 from all ranks, so no rank diverges and no collective hangs. A resumed run continues with the same
 data order and generation seeds, so its steps equal those of an uninterrupted run.
@@ -39,6 +45,7 @@ class DAPOTrainer:
 
     def __init__(self, cfg: Config, runtime: Any, *, resume: bool = False, say=print) -> None:
         from megatron_dapo.actor import build_actor, build_reference
+        from megatron_dapo.actor.offload import ActorOffload
         from megatron_dapo.algorithm.sampling import DynamicSamplingBuffer
         from megatron_dapo.data.dataset import datasets_from_config
         from megatron_dapo.data.sampler import PromptSampler
@@ -58,6 +65,7 @@ class DAPOTrainer:
         else:
             self.reference = None
         self.actor = build_actor(cfg, runtime.models, vocab)
+        self.offload = ActorOffload.from_config(self.actor, cfg.actor)
         self.train_data, self.val_data = datasets_from_config(cfg, self.tokenizer)
         self._log_dataset(self.train_data)
         if self.val_data is not None:
@@ -78,15 +86,21 @@ class DAPOTrainer:
         self.buffer = DynamicSamplingBuffer(
             cfg.trainer.train_batch_size, r.n, a.filter_groups.max_num_gen_batches, enabled=a.filter_groups.enable
         )
-        self.rollout = RolloutGroup.create(cfg, cfg.model.hf_dir, runtime.ctx.device)
         self.step = 0
         self._stop_requested = False
         self._last_saved_step: Optional[int] = None
         self.checkpoint_root = runtime.output_dir / "checkpoints"
         resumed = self._maybe_resume() if resume else False
         self.logger = self._make_logger(resumed)
+        # With offload the engine starts on a GPU without the actor's state (vLLM sizes its pool from
+        # the free memory), then the first push follows the order of every step.
+        self.offload.offload()
+        self.rollout = RolloutGroup.create(cfg, cfg.model.hf_dir, runtime.ctx.device)
+        if self.offload.enabled:
+            self.rollout.sleep()
+            self.offload.onload("params")
         # The engine starts from the HF weights; after a resume (or a Megatron checkpoint) the actor's differ.
-        first_sync = self._sync_weights()
+        first_sync, _ = self._engine_takes_gpu()
         self.say_rank0(
             f"weight sync: {self.rollout.sync_mode} (rollout.weight_sync_mode={cfg.rollout.weight_sync_mode}), "
             f"{first_sync['seconds']:.2f} s for the first push"
@@ -149,7 +163,7 @@ class DAPOTrainer:
         mine = Samples.from_fields({k: [v[i] for i in rows] for k, v in train.as_fields().items()})
         width = max(1, max(len(r) for r in mine.response_ids))
         batch = build_policy_batch(mine, advantages[rows], self.tokenizer.pad_token_id, width, cfg.algorithm.overlong_filter)
-        self.rollout.sleep()
+        onloaded = self._actor_takes_gpu(timer)
         # 3. Old-policy (and reference) log-probs of the responses.
         with timer.phase("old_log_prob"):
             batch.old_log_probs = self.actor.compute_log_probs(batch).cpu()  # the batch lives on the CPU
@@ -162,15 +176,22 @@ class DAPOTrainer:
         with timer.phase("update"):
             actor_metrics = self.actor.update(split_mini_batches(batch, num_mini_batches))
         # 5. The rollout engine generates with the new weights from the next step on.
-        self.rollout.wake_up()
-        with timer.phase("sync"):
-            sync_stats = self._sync_weights()
+        sync_stats, offloaded = self._engine_takes_gpu(timer)
         step_seconds = time.perf_counter() - started
+        if not self.offload.enabled:
+            offload_metrics = {}
+        else:
+            offload_metrics = {
+                "actor_offload/gb": offloaded.bytes / 1e9,
+                "actor_offload/offload_gb_per_s": offloaded.gb_per_s,
+                "actor_offload/onload_gb_per_s": onloaded.gb_per_s,
+            }
         return {
             **self._batch_metrics(train, advantages, generated, sampling_stats),
             **_actor_metric_names(actor_metrics),
             **mismatch,
             **{f"weight_sync/{k}": v for k, v in sync_stats.items()},
+            **offload_metrics,
             **timer.metrics(),
             "timing_s/step": step_seconds,
             "perf/tokens_per_s": self._tokens(train) / step_seconds,
@@ -241,6 +262,32 @@ class DAPOTrainer:
         stats = log_prob_mismatch(batch.rollout_log_probs, batch.old_log_probs, batch.response_valid_mask())
         return reduce(lambda a, b: a.merge(b), gather_from_leaders(stats)).as_metrics()
 
+    def _actor_takes_gpu(self, timer=None):
+        """The engine sleeps, then the actor's offloaded state comes back. Returns the onload's `OffloadStats`."""
+        self.rollout.sleep()
+        with self._phase(timer, "onload", self.offload.enabled):
+            return self.offload.onload()
+
+    def _engine_takes_gpu(self, timer=None):
+        """After an update: grads + optimizer to host -> engine weights wake -> weight sync -> params to
+        host -> engine KV cache wakes. Returns the sync's figures and the offloads' `OffloadStats`."""
+        with self._phase(timer, "offload", self.offload.enabled):
+            moved = self.offload.offload("grads", "optimizer")
+        self.rollout.wake_up(["weights"])
+        with self._phase(timer, "sync"):
+            sync_stats = self._sync_weights()
+        with self._phase(timer, "offload", self.offload.enabled):
+            moved += self.offload.offload("params")
+        self.rollout.wake_up(["kv_cache"])
+        return sync_stats, moved
+
+    @staticmethod
+    def _phase(timer, name: str, timed: bool = True):
+        """`timer.phase(name)`, or nothing when there is no timer (start-up, checkpoints) or nothing to time."""
+        from contextlib import nullcontext
+
+        return timer.phase(name) if timer is not None and timed else nullcontext()
+
     def _sync_weights(self) -> dict[str, float]:
         stats = self.rollout.sync_weights(self.actor.models, self.runtime.hf_config, self.cfg.rollout.weight_sync_bucket_mb)
         return {"seconds": stats.seconds, "gb_per_s": stats.gb_per_s}
@@ -288,11 +335,16 @@ class DAPOTrainer:
 
         if self._last_saved_step == self.step:
             return None
+        away = bool(self.offload.offloaded)
+        if away:  # the checkpoint reads the actor's state: the GPU changes hands once more
+            self._actor_takes_gpu()
         path = save_checkpoint(
             self.checkpoint_root, self.step, self.actor.models, self.actor.optimizer, self.actor.scheduler,
             trainer_state={"step": self.step, "sampler": self.sampler.state_dict()},
             config=self.cfg, hf_dir=self.cfg.model.hf_dir, keep_last=self.cfg.trainer.keep_last,
         )  # fmt: skip
+        if away:  # a deep sleep lost the engine's weights: push them again
+            self._engine_takes_gpu()
         self._last_saved_step = self.step
         self.plot()  # a run killed later still has its curves up to here
         return path
