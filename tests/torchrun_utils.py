@@ -26,6 +26,7 @@ Conventions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -72,6 +74,23 @@ def write_rank_result(obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
     tmp.replace(path)
+
+
+@contextlib.contextmanager
+def reporting(out: dict, teardown: bool = True):
+    """In a worker: run the body; on failure record the traceback as ``out["error"]`` and re-raise;
+    always write ``out`` as this rank's result and (by default) tear the process groups down."""
+    try:
+        yield out
+    except BaseException:
+        out["error"] = traceback.format_exc()
+        raise
+    finally:
+        write_rank_result(out)
+        if teardown:
+            from megatron_dapo.distributed import teardown as destroy_process_groups
+
+            destroy_process_groups()
 
 
 def read_rank_results(directory: Path, nproc: int) -> list[Any]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 import time
-import traceback
 from pathlib import Path
 
 import torch
+
+from torchrun_utils import reporting
 
 NUM_SEQUENCES = 7
 PROMPT_RANGE = (2, 9)
@@ -205,10 +206,10 @@ def run_single(model_dir: str, out_dir: str) -> dict:
     from tiny_models import load_hf_model
 
     from megatron_dapo.actor import split_mini_batches
-    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+    from megatron_dapo.distributed import ParallelLayout, init_distributed
 
     out: dict = {}
-    try:
+    with reporting(out):
         ctx = init_distributed(ParallelLayout(), timeout_s=240, seed=3)
         hf_model = load_hf_model(Path(model_dir))
         batch = global_batch(hf_model)
@@ -245,14 +246,6 @@ def run_single(model_dir: str, out_dir: str) -> dict:
         metrics = actor.update([batch])
         out["no_clip"] = {"metrics": metrics, "post_clip_norm": main_grad_norm(actor)}
         torch.save(tensors, Path(out_dir) / "single.pt")
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()
     return None
 
 
@@ -264,7 +257,7 @@ def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
 
     out: dict = {"layouts": {}}
     ctx = None
-    try:
+    with reporting(out):
         hf_model = load_hf_model(Path(model_dir))
         batch = global_batch(hf_model)
         for spec in layouts:
@@ -288,14 +281,6 @@ def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
             out["layouts"][spec["name"]] = result
             if ctx.rank == 0:
                 torch.save(saved, Path(out_dir) / f"{spec['name']}.pt")
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()
     return None
 
 
@@ -313,7 +298,7 @@ def run_cp_architectures(model_dirs: dict, out_dir: str) -> None:
 
     out: dict = {"architectures": {}}
     ctx = None
-    try:
+    with reporting(out):
         for arch, model_dir in model_dirs.items():
             hf_model = load_hf_model(Path(model_dir))
             batch = global_batch(hf_model)
@@ -343,12 +328,4 @@ def run_cp_architectures(model_dirs: dict, out_dir: str) -> None:
             out["architectures"][arch] = entry
             if ctx.rank == 0:
                 torch.save(saved, Path(out_dir) / f"{arch}.pt")
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()
     return None

@@ -8,10 +8,11 @@ one launch and compares Megatron's logits with HF transformers'. Raw numbers go 
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import torch
+
+from torchrun_utils import reporting
 
 
 def convert_all(hf_dirs: dict, out_root: str, shard_sizes: dict, tampered: dict) -> dict:
@@ -19,7 +20,7 @@ def convert_all(hf_dirs: dict, out_root: str, shard_sizes: dict, tampered: dict)
     from megatron_dapo.convert import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf, verify_logits_against_hf
 
     out: dict = {"archs": {}}
-    try:
+    with reporting(out, teardown=False):
         for arch, hf_dir in hf_dirs.items():
             megatron_dir = Path(out_root) / arch / "megatron"
             megatron_dir.mkdir(parents=True)
@@ -41,13 +42,6 @@ def convert_all(hf_dirs: dict, out_root: str, shard_sizes: dict, tampered: dict)
             out["tampered"] = "no error"
         except ConversionError as err:
             out["tampered"] = str(err)
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
 
 
 def _stored(directory: Path) -> dict:
@@ -80,7 +74,7 @@ def load_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, megatron_save_
     out: dict = {"layouts": {}, "formats": {}}
     input_ids = torch.randint(0, 300, (4, 20), generator=torch.Generator().manual_seed(7))
     reference = {}
-    try:
+    with reporting(out):
         for index, spec in enumerate(layouts):
             if index:
                 teardown(keep_process_group=True)
@@ -111,11 +105,3 @@ def load_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, megatron_save_
                     if ctx.rank == 0:
                         out["formats"][arch] = {"megatron": _stored(target), "converted": _stored(Path(checkpoint) / DIST_DIR)}
             out["layouts"][spec["name"]] = entry
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()

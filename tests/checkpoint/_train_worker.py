@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import random
-import traceback
 
 import torch
+
+from torchrun_utils import reporting
 
 GLOBAL_BATCH = 4
 SEQ_LEN = 16
@@ -138,10 +139,9 @@ def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, l
     """
     from megatron_dapo.checkpoint import core
     from megatron_dapo.checkpoint.core import CheckpointError, save_checkpoint
-    from megatron_dapo.distributed import teardown
 
     out = {}
-    try:
+    with reporting(out):
         ctx, models, optimizer, scheduler = setup(model_dir, layout)
         save_checkpoint(weights_root, 0, models)
         losses = {}
@@ -176,14 +176,6 @@ def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, l
                 save_checkpoint(local_root, step, models, optimizer, scheduler)
         out["local_losses"] = local_losses
         out["rank"] = ctx.rank
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()
 
 
 def resume_then_crash(model_dir: str, root: str) -> None:
@@ -214,7 +206,7 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
     from megatron_dapo.distributed import teardown
 
     out: dict = {"layouts": {}}
-    try:
+    with reporting(out):
         for index, spec in enumerate(layouts):
             if index:
                 teardown(keep_process_group=True)
@@ -259,11 +251,3 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
         except CheckpointMismatchError as err:
             errors["optimizer_kind"] = str(err)
         out["errors"] = errors
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()

@@ -24,9 +24,10 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import torch
+
+from torchrun_utils import reporting
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5, 6], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 SAMPLES_PER_PROMPT = 2
@@ -148,20 +149,10 @@ def run_model(model_dir: str, index: int) -> dict:
 
 
 def main(model_dirs: list) -> None:
-    from torchrun_utils import write_rank_result
-
     out: dict = {"models": []}
-    try:
+    with reporting(out):
         for index, model_dir in enumerate(model_dirs):
             out["models"].append(run_model(model_dir, index))
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        write_rank_result(out)
-        from megatron_dapo.distributed import teardown
-
-        teardown()
 
 
 if __name__ == "__main__":
