@@ -13,7 +13,6 @@ state goes through `ActorOffload` round trips between them, B's never does. Per 
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import torch
@@ -152,24 +151,14 @@ def _case(model_dir: str, spec: dict, batch) -> dict:
 
 def run_round_trips(model_dir: str, cases: list) -> None:
     from tiny_models import load_hf_model
+    from torchrun_utils import reporting
 
     from megatron_dapo.distributed import teardown
     from tests.actor._actor_worker import global_batch
 
-    out: dict = {"cases": {}}
-    started = False
-    try:
+    with reporting({"cases": {}}) as out:
         batch = global_batch(load_hf_model(Path(model_dir)))
-        for spec in cases:
-            if started:
+        for index, spec in enumerate(cases):
+            if index:
                 teardown(keep_process_group=True)
-            started = True
             out["cases"][spec["name"]] = _case(model_dir, spec, batch)
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        from torchrun_utils import write_rank_result
-
-        write_rank_result(out)
-        teardown()

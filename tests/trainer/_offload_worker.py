@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import sys
-import traceback
 
 import torch
 
@@ -90,13 +89,14 @@ def _collapse(events: list) -> list:
     return out
 
 
-def run(config: str, overrides: list, offload_overrides: list, output_dir: str) -> dict:
+def run(config: str, overrides: list, offload_overrides: list, output_dir: str) -> None:
+    from torchrun_utils import reporting
+
     from megatron_dapo.config import load_config
     from megatron_dapo.runtime import load_models, start
     from megatron_dapo.trainer import DAPOTrainer
 
-    result: dict = {}
-    try:
+    with reporting({}) as result:
         events: list = []
         checks: list = []
         box: dict = {}
@@ -136,17 +136,6 @@ def run(config: str, overrides: list, offload_overrides: list, output_dir: str) 
             }
             checks.clear()
             trainer.close()
-    except Exception:
-        result["error"] = traceback.format_exc()
-        raise
-    finally:
-        from megatron_dapo.distributed.setup import teardown
-
-        teardown()
-    return result
-
 
 if __name__ == "__main__":
-    from torchrun_utils import write_rank_result
-
-    write_rank_result(run(**json.loads(sys.argv[1])))
+    run(**json.loads(sys.argv[1]))
