@@ -63,11 +63,17 @@ def tiny_config(arch: str):
 
 def build_tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     """A float32 HF causal LM with every parameter drawn at random (deterministic for a seed)."""
+    model = build_random_model(tiny_config(arch), seed, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def build_random_model(config, seed: int, **kwargs) -> torch.nn.Module:
+    """A float32 HF causal LM for `config` with every parameter drawn at random (deterministic for a seed)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(arch)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -78,7 +84,6 @@ def build_tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
                 param.copy_(0.1 * noise)
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)  # unit-variance activations
-    model.eval()
     return model
 
 

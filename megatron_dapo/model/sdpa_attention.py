@@ -225,18 +225,23 @@ class SDPADotProductAttention(MegatronModule):
         extra = {"enable_gqa": True} if native_gqa else {}
 
         dropout_p = self.dropout_p if self.training else 0.0
-        with contextlib.ExitStack() as stack:
-            if not q.is_cuda:
-                stack.enter_context(sdpa_kernel(_CPU_BACKENDS))
-            if dropout_p > 0.0 and not self.config.sequence_parallel:
-                # As Megatron: heads are split over TP ranks, so each rank draws from its own stream.
-                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
+        with self._kernel_context(q, dropout_p):
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
                 scale=self.softmax_scale, **extra,
             )  # fmt: skip
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _kernel_context(self, q: Tensor, dropout_p: float) -> contextlib.ExitStack:
+        """The SDPA kernels CPU may use and, with dropout, the rank's own RNG stream."""
+        stack = contextlib.ExitStack()
+        if not q.is_cuda:
+            stack.enter_context(sdpa_kernel(_CPU_BACKENDS))
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # As Megatron: heads are split over TP ranks, so each rank draws from its own stream.
+            stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
+        return stack
 
     def _context_parallel_attention(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """Causal attention of the local chunks; K/V all-gathered over CP (backward: dK/dV summed)."""
@@ -255,11 +260,7 @@ class SDPADotProductAttention(MegatronModule):
             k = k.repeat_interleave(heads // groups, dim=1)
             v = v.repeat_interleave(heads // groups, dim=1)
         dropout_p = self.dropout_p if self.training else 0.0
-        with contextlib.ExitStack() as stack:
-            if not q.is_cuda:
-                stack.enter_context(sdpa_kernel(_CPU_BACKENDS))
-            if dropout_p > 0.0 and not self.config.sequence_parallel:
-                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
+        with self._kernel_context(q, dropout_p):
             context = _chunked_causal_sdpa(
                 q, k, v, self.cp_size, dist.get_rank(self.cp_group), self.softmax_scale, dropout_p
             )

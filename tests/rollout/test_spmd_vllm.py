@@ -26,6 +26,7 @@ from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, check_memory_tags
 from megatron_dapo.rollout.group import choose_sync_mode
 from megatron_dapo.rollout.placement import SpmdSlot, resolve_placement
 from megatron_dapo.rollout.process_state import get_memory_policy, preserved_process_state
+from tiny_models import build_random_model
 from torchrun_utils import run_torchrun_script
 
 WORKER = Path(__file__).parent / "_spmd_worker.py"
@@ -182,7 +183,7 @@ def test_in_process_target_places_each_slice_where_the_engine_loader_cuts():
 
 
 def _save_model(out_dir: Path, tied: bool, seed: int) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     config = Qwen2Config(
         hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
@@ -190,13 +191,7 @@ def _save_model(out_dir: Path, tied: bool, seed: int) -> Path:
         eos_token_id=2, bos_token_id=None,
     )  # fmt: skip
     config.architectures = ["Qwen2ForCausalLM"]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise if name.endswith(".bias") else noise / param.shape[-1] ** 0.5)
+    model = build_random_model(config, seed)
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -27,6 +27,7 @@ from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.bucketing import iter_buckets, write_safetensors
 from megatron_dapo.rollout.vllm_engine import cpu_thread_binding
 from megatron_dapo.rollout.vllm_io import vllm_sampling_kwargs
+from tiny_models import build_random_model
 
 # Lengths 1..9: batching and positions matter.
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
@@ -124,7 +125,7 @@ def test_missing_vllm_gives_install_hint(monkeypatch, tmp_path):
 
 def _save_qwen2(out_dir: Path, tied: bool, hidden: int, heads: int, extra_vocab: int, seed: int) -> Path:
     """A float32 Qwen2 with head_dim 32 (vLLM's CPU attention needs >= 32) and every weight random."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     from megatron_dapo.data.arithmetic import build_tokenizer
 
@@ -146,18 +147,7 @@ def _save_qwen2(out_dir: Path, tied: bool, hidden: int, heads: int, extra_vocab:
     )
     config.architectures = ["Qwen2ForCausalLM"]
     assert config.hidden_size // config.num_attention_heads == 32
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * noise)
-            else:
-                param.copy_(noise / param.shape[-1] ** 0.5)
+    model = build_random_model(config, seed)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
