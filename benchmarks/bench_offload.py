@@ -6,13 +6,16 @@ optimizer by default, as the recipes) and takes one optimizer step so that Adam'
 interleaved over `--repeats` rounds:
 
   (a) offload: `ActorOffload.offload("grads", "optimizer")` then `offload("params")`, as the trainer
-      does after an update; onload: `ActorOffload.onload()`, as before the old log-probs;
+      does after an update; onload: `ActorOffload.onload()`, as before the old log-probs; once with
+      every kind copied (`keep_grads=True`, the bytes the baselines copy) and once as the trainer
+      runs it, with the grads dropped (freed, back as zeros: no copy);
   (b) baselines on the same storages, per storage: `copy`: a copy into a preallocated host tensor of
       the same size (the memory-bandwidth limit of the offload's copies); `clone`: `clone()` of the
       storage's bytes (allocation + copy: what onload does, since it re-allocates the freed storages).
 
 Reported: bytes per kind, median seconds and GB/s (1e9 bytes/s) of offload and onload, and of the two
-baselines; the round trip is checked bit for bit once. On a GPU the host buffers are pinned and the
+baselines (GB/s of the dropped-grads rows: the bytes actually copied); the all-copied round trip is
+checked bit for bit, the dropped-grads one for zero grads and the rest bit for bit. On a GPU the host buffers are pinned and the
 copies cross PCIe; on a CPU-only machine everything is a host memcpy plus allocation / page faults.
 
     python benchmarks/bench_offload.py [--hidden 1024] [--layers 12] [--ffn 2816] [--vocab 32000] [--dtype bfloat16] [--repeats 5]
@@ -101,15 +104,18 @@ def main() -> None:
 
     ctx, models, optimizer = build_actor_state(args)
     device = ctx.device
-    offload = ActorOffload(models, optimizer, KINDS)
+    offload = ActorOffload(models, optimizer, KINDS, keep_grads=True)
+    dropping = ActorOffload(models, optimizer, KINDS)  # the trainer's: grads dropped
     storages = [s for kind in KINDS for s in offload.storages(kind)]
+    is_grad = [kind == "grads" for kind in KINDS for _ in offload.storages(kind)]
     per_kind = {kind: sum(s.nbytes() for s in offload.storages(kind)) for kind in KINDS}
     parameters = sum(p.numel() for m in models for p in m.parameters())
     before = [_bytes_of(s).clone() for s in storages]
     hosts = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=device.type == "cuda") for s in storages]
 
-    rows: dict[str, list[float]] = {"offload": [], "onload": [], "copy": [], "clone": []}
-    moved = 0
+    rows: dict[str, list[float]] = {key: [] for key in ("offload", "onload", "offload_drop", "onload_drop", "copy", "clone")}
+    moved = copied = 0
+    exact = None
     for _ in range(args.repeats):
         seconds, moved = baseline(storages, device, hosts)
         rows["copy"].append(seconds)
@@ -120,26 +126,44 @@ def main() -> None:
         back = offload.onload()
         rows["onload"].append(back.seconds)
         assert first.bytes + second.bytes == back.bytes == moved
-    exact = all(torch.equal(b, _bytes_of(s)) for b, s in zip(before, storages))
+        if exact is None:  # before any dropped-grads round
+            exact = all(torch.equal(b, _bytes_of(s)) for b, s in zip(before, storages))
+        first, second = dropping.offload("grads", "optimizer"), dropping.offload("params")
+        rows["offload_drop"].append(first.seconds + second.seconds)
+        back = dropping.onload()
+        rows["onload_drop"].append(back.seconds)
+        copied = back.bytes
+        assert first.bytes + second.bytes == copied == moved - per_kind["grads"] == moved - back.dropped
+    dropped_ok = all(
+        not torch.count_nonzero(_bytes_of(s)) if grad else torch.equal(b, _bytes_of(s))
+        for b, s, grad in zip(before, storages, is_grad)
+    )
 
     print(f"machine: {platform.node()} ({os.cpu_count()} cores), device {device}, torch {torch.__version__}, "
           f"pinned host buffers: {offload.pin_memory}")  # fmt: skip
     print(f"model: {parameters / 1e6:.1f}M parameters, {args.dtype}, hidden {args.hidden}, {args.layers} layers, "
           f"ffn {args.ffn}, vocab {args.vocab}; distributed optimizer {not args.no_distributed_optimizer}")  # fmt: skip
     print("bytes moved: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in per_kind.items()) + f"; total {moved / 1e9:.3f} GB "
-          f"in {len(storages)} storages; round trip bit-exact: {exact}")  # fmt: skip
+          f"in {len(storages)} storages; round trip bit-exact: {exact}; dropped grads: zeros, the rest "
+          f"bit-exact: {dropped_ok}")  # fmt: skip
     print(f"{'':<34}{'median s':>10}{'GB/s':>8}   (all rounds, s)")
     labels = {
         "offload": "offload (grads+optimizer, params)",
         "onload": "onload (everything)",
+        "offload_drop": "offload, grads dropped (trainer)",
+        "onload_drop": "onload, grads dropped (trainer)",
         "copy": "baseline: copy into preallocated",
         "clone": "baseline: clone (alloc + copy)",
     }
     for key, label in labels.items():
         median = statistics.median(rows[key])
-        print(f"{label:<34}{median:>10.3f}{moved / median / 1e9:>8.2f}   " + " ".join(f"{x:.3f}" for x in rows[key]))
+        nbytes = copied if key.endswith("_drop") else moved
+        print(f"{label:<34}{median:>10.3f}{nbytes / median / 1e9:>8.2f}   " + " ".join(f"{x:.3f}" for x in rows[key]))
+    full = statistics.median(rows["offload"]) + statistics.median(rows["onload"])
+    drop = statistics.median(rows["offload_drop"]) + statistics.median(rows["onload_drop"])
+    print(f"round trip, grads dropped / all copied: {drop / full:.3f} ({drop:.3f} s / {full:.3f} s)")
     teardown()
-    if not exact:
+    if not (exact and dropped_ok):
         raise SystemExit("the round trip changed the state")
 
 

@@ -100,7 +100,8 @@ class ActorConfig:
     offload_params: bool = False
     """Move the weights (Megatron DDP's parameter buffers) to host memory during generation."""
     offload_grads: bool = False
-    """Move the fp32 DDP gradient buffers to host memory during generation."""
+    """Free the fp32 DDP gradient buffers during generation (dropped, not copied: every update starts
+    from zeroed grads, so they come back as zeros and take no host memory)."""
     offload_optimizer: bool = False
     """Move the optimizer state (fp32 main params, Adam moments) to host memory during generation."""
 

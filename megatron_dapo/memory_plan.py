@@ -29,8 +29,9 @@ The actor, the rollout engine and the trainer share every GPU and take turns:
 
 Offload therefore lets the pool grow by the offloaded bytes: the largest `rollout.gpu_memory_utilization`
 is (GPU - actor state kept while generating - reference - reserve) / GPU, shown for the config's
-offload, for a resident actor and for everything offloaded. The offloaded bytes live in host memory
-(pinned) for the whole run: per GPU the fullest stage's offloaded state, plus the engine's weights
+offload, for a resident actor and for everything offloaded. The offloaded params and optimizer state
+live in host memory (pinned) for the whole run (offloaded grads are dropped and come back as zeros:
+no host copy): per GPU the fullest stage's offloaded params + optimizer state, plus the engine's weights
 where a sleeping engine keeps them there (vLLM at `rollout.sleep_level=1`, the embedded engine at
 either level; vLLM at level 2 and SGLang drop them);
 per node that times the GPUs per node (an upper bound with PP > 1, where stages differ).
@@ -373,7 +374,7 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 OFFLOAD_KINDS = ("params", "grads", "optimizer")
-"""What `actor.offload_*` moves to host memory while the engine generates (`actor/offload.py`)."""
+"""What `actor.offload_*` takes off the GPU while the engine generates (`actor/offload.py`; grads are dropped, not copied)."""
 
 
 def _actor_parts(actor: ActorMemory) -> dict[str, float]:
@@ -769,7 +770,8 @@ def plan_memory(
         return int(max(0.0, pool_bytes - rollout_weights) // (kv_per_token * longest))
 
     max_utilization = largest_utilization(offloaded)
-    host_per_gpu = max(sum(_actor_parts(s.actor)[k] for k in offloaded) for s in stages)
+    # Offloaded grads are dropped, not copied (their values are dead between updates): no host memory.
+    host_per_gpu = max(sum(_actor_parts(s.actor)[k] for k in offloaded if k != "grads") for s in stages)
     if r.free_cache_engine and (r.engine == "embedded" or (r.engine == "vllm" and r.sleep_level == 1)):
         host_per_gpu += rollout_weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
     rollout = RolloutMemory(

@@ -183,6 +183,7 @@ class DAPOTrainer:
         else:
             offload_metrics = {
                 "actor_offload/gb": offloaded.bytes / 1e9,
+                "actor_offload/dropped_grads_gb": offloaded.dropped / 1e9,
                 "actor_offload/offload_gb_per_s": offloaded.gb_per_s,
                 "actor_offload/onload_gb_per_s": onloaded.gb_per_s,
             }

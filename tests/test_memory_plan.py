@@ -491,7 +491,9 @@ def test_offload_frees_the_actor_state_for_the_engine_pool():
     assert o.sync_total == pytest.approx(actor.params + o.weights + bucket + reserve)
     assert o.max_gpu_memory_utilization == o.max_gpu_memory_utilization_offloaded == pytest.approx((gpu - reserve) / gpu)
     assert o.max_gpu_memory_utilization_resident == pytest.approx(r.max_gpu_memory_utilization)
-    assert o.host_per_gpu == pytest.approx(actor.total) and o.host_per_node == pytest.approx(8 * actor.total)
+    # grads are dropped, not copied: host memory holds params and optimizer state only
+    host = actor.total - actor.grads
+    assert o.host_per_gpu == pytest.approx(host) and o.host_per_node == pytest.approx(8 * host)
     # Training needs the whole actor either way; the same utilisation gives the same pool.
     assert offloaded.stages[0].training_total == resident.stages[0].training_total
     assert o.concurrent_full_sequences == r.concurrent_full_sequences
@@ -514,7 +516,7 @@ def test_partial_offload_keeps_the_rest_and_level_one_keeps_engine_weights_on_th
     assert awake.sync_total == pytest.approx(actor.params + awake.pool + 512 * 2**20 + plan.reserve)
     room = plan.gpu_memory - actor.params - 512 * 2**20 - plan.reserve
     assert awake.max_gpu_memory_utilization == pytest.approx(room / plan.gpu_memory)
-    assert awake.host_per_gpu == pytest.approx(actor.total)  # nothing sleeps: no engine weights on the host
+    assert awake.host_per_gpu == pytest.approx(actor.total - actor.grads)  # nothing sleeps: no engine weights on the host
     assert plan_for(base + ["rollout.engine=sglang"]).rollout.host_per_gpu == 0  # SGLang drops them at any level
 
 

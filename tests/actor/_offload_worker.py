@@ -8,7 +8,9 @@ state goes through `ActorOffload` round trips between them, B's never does. Per 
 * whether every storage of every offloaded kind had 0 bytes while offloaded (memory really freed);
 * whether every tensor came back bit-identical (params, main grads, optimizer tensors, state);
 * whether A's state after updates that follow round trips is bit-identical to B's;
-* the no-op behaviour of a second offload / an onload of resident state, host-buffer reuse.
+* the no-op behaviour of a second offload / an onload of resident state, host-buffer reuse;
+* rounds 1-3 copy the grads too (``keep_grads=True``); round 4 uses the trainer's default, which
+  drops them: no host copy, zeros on return, the rest bit-exact, the next update equal to B's.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def _case(model_dir: str, spec: dict, batch) -> dict:
     inners = getattr(a.optimizer, "chained_optimizers", [a.optimizer])
     result: dict = {"dp": dp, "optimizer_classes": sorted({type(o).__name__ for o in inners})}
     result["a_equals_b_at_start"] = not _differences(_state(a), _state(b))
-    offload = ActorOffload(a.models, a.optimizer, KINDS, host_chunk_bytes=HOST_CHUNK)
+    offload = ActorOffload(a.models, a.optimizer, KINDS, host_chunk_bytes=HOST_CHUNK, keep_grads=True)
 
     def both_update():
         a.update([share])
@@ -144,6 +146,26 @@ def _case(model_dir: str, spec: dict, batch) -> dict:
     result["second_round_trip_differences"] = _differences(before, _state(a))
     both_update()
     result["third_update_differences"] = _differences(_state(a), _state(b))
+
+    # 4. The trainer's offloader (grads dropped, not copied): no host copy of the grads, which come
+    #    back as zeros; params and optimizer state bit-exact; the next update still equals B's.
+    dropping = ActorOffload(a.models, a.optimizer, KINDS, host_chunk_bytes=HOST_CHUNK)
+    before, expected = _state(a), _expected_bytes(a)
+    stats = dropping.offload("grads", "optimizer")
+    stats += dropping.offload("params")
+    result["drop_freed"] = _all_freed(dropping, KINDS)
+    result["drop_bytes"] = {"copied": stats.bytes, "dropped": stats.dropped, "host_grads": dropping.host_bytes("grads")}
+    result["drop_expected"] = {"copied": expected["params"] + expected["optimizer"], "dropped": expected["grads"], "host_grads": 0}
+    dropping.onload()
+    after = _state(a)
+    grads = [k for k in after if k.startswith(("main_grad/", "grad_data/"))]
+    result["drop_grads_nonzero"] = [k for k in grads if torch.count_nonzero(after[k])]
+    # optimizer tensors that are views of the grad buffer (main params' .grad) come back zero too
+    result["drop_other_differences"] = [
+        k for k in _differences(before, after) if k not in grads and not (k.startswith("optimizer/") and not torch.count_nonzero(after[k]))
+    ]
+    both_update()
+    result["update_after_drop_differences"] = _differences(_state(a), _state(b))
     result["state_tensors"] = len(before)
     result["moved_total"] = stats.bytes
     return result

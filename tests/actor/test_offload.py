@@ -5,7 +5,8 @@
 * two processes over gloo with real Megatron-Core (`_offload_worker.py`): DP=2 and TP=2, the
   distributed optimizer on and off, bf16 (fp32 main params) and fp32 models. Offload + onload of
   params, grads and optimizer state leaves every tensor bit-identical, frees every storage while
-  away, moves what Megatron holds, and updates after round trips equal updates without them.
+  away, moves what Megatron holds, and updates after round trips equal updates without them; by
+  default the grads are dropped instead (no host copy, zeros on return) and the update still equals.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_host_chunks_are_powers_of_two_that_add_up(total, chunk):
 def test_round_trip_is_bit_exact_and_frees_every_storage():
     model, optimizer = _trained()
     before = _snapshot(model, optimizer)
-    offload = ActorOffload([model], optimizer, host_chunk_bytes=64)  # every storage spans chunks
+    offload = ActorOffload([model], optimizer, host_chunk_bytes=64, keep_grads=True)  # every storage spans chunks
     storages = {kind: offload.storages(kind) for kind in KINDS}
     assert [len(storages[k]) for k in KINDS] == [4, 4, 12]  # 4 weights, their grads, Adam: step, m, v each
     stats = offload.offload()
@@ -69,6 +70,25 @@ def test_round_trip_is_bit_exact_and_frees_every_storage():
     assert back.bytes == stats.bytes and offload.offloaded == ()
     after = _snapshot(model, optimizer)
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_grads_are_dropped_by_default_and_come_back_as_zeros():
+    model, optimizer = _trained()
+    grads = grad_storages([model])
+    grad_bytes = sum(g.numel() * 4 for g in grads)
+    assert all(g.abs().sum() > 0 for g in grads)
+    kept = [*model.parameters(), *(v for state in optimizer.state.values() for v in state.values())]
+    keep = [t.detach().reshape(-1).view(torch.uint8).clone() for t in kept]
+    offload = ActorOffload([model], optimizer)
+    stats = offload.offload()
+    assert offload.offloaded == KINDS and all(g.untyped_storage().nbytes() == 0 for g in grads)
+    assert stats.dropped == grad_bytes and stats.bytes == sum(p.numel() * 4 for p in model.parameters()) * 3 + 4 * 4
+    assert offload._regions["grads"].host is None and offload.host_bytes("grads") == 0  # no host copy
+    back = offload.onload()
+    assert back.dropped == grad_bytes and back.bytes == stats.bytes
+    assert all(g.untyped_storage().nbytes() == g.numel() * 4 and torch.count_nonzero(g) == 0 for g in grads)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the same tensors, zeroed in place
+    assert all(torch.equal(x, t.detach().reshape(-1).view(torch.uint8)) for x, t in zip(keep, kept))  # the rest: bit-exact
 
 
 def test_training_after_a_round_trip_equals_training_without():
@@ -101,7 +121,7 @@ def test_views_and_shared_storages_move_once_with_their_owner():
 
 def test_only_enabled_kinds_move_and_repeats_are_no_ops():
     model, optimizer = _trained()
-    offload = ActorOffload([model], optimizer, kinds=("grads",))
+    offload = ActorOffload([model], optimizer, kinds=("grads",), keep_grads=True)
     assert offload.offload("params", "optimizer").bytes == 0 and offload.offloaded == ()
     first = offload.offload()
     assert first.bytes > 0 and offload.offloaded == ("grads",)
@@ -164,6 +184,10 @@ def test_megatron_round_trips_are_bit_exact(round_trips, case):
             assert r[key] == [], f"{where}: {key}: {r[key][:5]}"
         for key in ("update_after_round_trip_differences", "third_update_differences"):
             assert r[key] == [], f"{where}: {key}: {r[key][:5]}"
+        # the default offloader drops the grads instead of copying them
+        assert r["drop_freed"] and r["drop_bytes"] == r["drop_expected"], where
+        assert r["drop_grads_nonzero"] == [] and r["drop_other_differences"] == [], where
+        assert r["update_after_drop_differences"] == [], where
 
 
 def test_distributed_optimizer_shards_the_optimizer_bytes(round_trips):
