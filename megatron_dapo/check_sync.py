@@ -381,7 +381,10 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
                 raise KeyError(f"--corrupt-tensor {args.corrupt_tensor!r}: the engine has no such tensor")
             bad = current[args.corrupt_tensor].clone()
             bad.add_(0.05 * bad.abs().max().clamp(min=1e-3))
-            engine.load_weights([(args.corrupt_tensor, bad)])
+            # The whole state again with one tensor changed: vLLM takes a fused layer (gate_up_proj,
+            # qkv_proj) only whole, and a tied engine's read-back LM head is not a tensor to load.
+            skip = "lm_head.weight" if hf_cfg.tie_word_embeddings else None
+            engine.load_weights((name, bad if name == args.corrupt_tensor else tensor) for name, tensor in current.items() if name != skip)
             say(f"   (self-test: overwrote {args.corrupt_tensor} in the engine with a perturbed copy)")
 
         say("4. per-tensor equality, engine vs the actor's HF export (bit for bit):")

@@ -272,8 +272,10 @@ class VLLMEngine(RolloutEngine):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream HF-named tensors into the engine, bucket by bucket; committed at the next generate.
 
-        Any number of calls may make up one update (see the module docstring). If a worker fails
-        to load a bucket (e.g. an unknown tensor name) the update is closed and the error raised.
+        Any number of calls may make up one update (see the module docstring), but a layer must
+        be complete within it: a fused layer missing a part (up_proj without gate_proj) keeps its
+        previous weights and the commit raises. If a worker fails to load a bucket (e.g. an
+        unknown tensor name) the update is closed and the error raised.
         SPMD: the tensors go to this rank's worker in-process; its loaders take this rank's slice.
         """
         self._weights_awake_llm()

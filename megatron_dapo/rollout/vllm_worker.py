@@ -156,6 +156,7 @@ class VLLMWorkerExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         model = self._mdapo_model()
+        incomplete = _keep_old_weights_of_incomplete_layers(model)
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
             refreshed = _reprocess_tied_output_heads(model)
@@ -163,6 +164,13 @@ class VLLMWorkerExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if callable(getattr(runner, reset, None)):
                 getattr(runner, reset)()
+        if incomplete:
+            listed = ", ".join(f"{name} ({loaded} of {total} elements)" for name, loaded, total in incomplete[:5])
+            raise ValueError(
+                f"{len(incomplete)} layer(s) received only part of their tensors in this weight update: {listed}. "
+                "vLLM rebuilds a layer from the tensors of one update, so every part of a fused layer "
+                "(q/k/v_proj, gate/up_proj) must come in the same update; these layers keep their previous weights"
+            )
         return refreshed
 
     @_reported
@@ -188,6 +196,33 @@ class VLLMWorkerExtension:
                 layout[name] = [shard_dim, replicas]
         write_safetensors(Path(directory) / f"tp{tp_rank}.safetensors", tensors)
         return {"tp_rank": tp_rank, "layout": layout}
+
+
+def _keep_old_weights_of_incomplete_layers(model: torch.nn.Module) -> list[tuple[str, int, int]]:
+    """Find the layers that got only some of their elements in the open session; make them keep
+    their current weights. Returns [(module name, elements loaded, elements expected)].
+
+    vLLM's finalize would re-materialise such a layer from the parts that arrived, leaving the rest
+    (e.g. the gate half of gate_up_proj when only up_proj came) as uninitialised memory. Forgetting
+    what was buffered sends the layer down finalize's "nothing loaded" path instead, which puts the
+    layer's previous tensors back.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    incomplete = []
+    for name, layer in model.named_modules():
+        info = get_layerwise_info(layer)
+        # A vocabulary layer is one tensor, loaded whole or not at all; it counts its padding rows
+        # (vocabulary padded to 64 x TP) among the elements to load, so it always looks incomplete.
+        if not info.can_load() or is_deferred_attention_layer(layer) or isinstance(layer, VocabParallelEmbedding):
+            continue
+        if 0 < info.load_numel < info.load_numel_total:  # type: ignore[operator]
+            incomplete.append((name, info.load_numel, info.load_numel_total))
+            info.load_numel = 0
+            info.loaded_weights.clear()
+    return incomplete
 
 
 def _not_a_rotary_reload_warning(record: logging.LogRecord) -> bool:

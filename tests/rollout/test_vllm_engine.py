@@ -396,6 +396,19 @@ def test_partial_update_keeps_other_weights(case):
     assert_engine_matches_reference(case, seed=7)
 
 
+def test_part_of_a_fused_layer_is_refused_and_the_layer_keeps_its_weights(case):
+    """up_proj without gate_proj: vLLM would rebuild gate_up_proj from the up half alone (the gate
+    half uninitialised memory). The commit must say so, keep that layer's previous weights, and
+    still apply the complete layers of the same update (a norm)."""
+    up, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.0.post_attention_layernorm.weight"
+    changed = {up: case.weights[up] * 1.5, norm: case.weights[norm] + 0.25}
+    case.engine.load_weights(changed.items())
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.gate_up_proj \(\d+ of \d+ elements\)"):
+        case.engine.commit_weights()
+    case.set_reference_weights({**case.weights, norm: changed[norm]})
+    assert_engine_matches_reference(case, seed=9)  # gate_proj and up_proj as before: bit for bit
+
+
 def test_unknown_weight_raises_and_engine_keeps_working(case):
     with pytest.raises(Exception, match="not_a_weight"):
         case.engine.load_weights([("model.not_a_weight", torch.zeros(3))])
