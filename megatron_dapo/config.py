@@ -149,7 +149,8 @@ class RolloutConfig:
     sleep_level: int = 1
     """How deeply a GPU engine sleeps during training (rollout.free_cache_engine): 1 frees the KV
     cache and keeps the weights in host memory, 2 frees the weights too (less host memory; the
-    weight sync after each update is a full push anyway)."""
+    weight sync after each update is a full push anyway, but with actor.offload_* a checkpoint,
+    which takes the GPU from the engine, then pushes the weights once more)."""
     val_n: int = 1
     """Samples per prompt during validation (k of avg@k / pass@k)."""
     val_temperature: float = 1.0

@@ -269,14 +269,17 @@ class DAPOTrainer:
         with self._phase(timer, "onload", self.offload.enabled):
             return self.offload.onload()
 
-    def _engine_takes_gpu(self, timer=None):
+    def _engine_takes_gpu(self, timer=None, push: bool = True):
         """After an update: grads + optimizer to host -> engine weights wake -> weight sync -> params to
-        host -> engine KV cache wakes. Returns the sync's figures and the offloads' `OffloadStats`."""
+        host -> engine KV cache wakes. Returns the sync's figures and the offloads' `OffloadStats`.
+        `push=False` (the engine still holds the actor's current weights) skips the sync."""
         with self._phase(timer, "offload", self.offload.enabled):
             moved = self.offload.offload("grads", "optimizer")
         self.rollout.wake_up(["weights"])
-        with self._phase(timer, "sync"):
-            sync_stats = self._sync_weights()
+        sync_stats = {}
+        if push:
+            with self._phase(timer, "sync"):
+                sync_stats = self._sync_weights()
         with self._phase(timer, "offload", self.offload.enabled):
             moved += self.offload.offload("params")
         self.rollout.wake_up(["kv_cache"])
@@ -344,8 +347,8 @@ class DAPOTrainer:
             trainer_state={"step": self.step, "sampler": self.sampler.state_dict()},
             config=self.cfg, hf_dir=self.cfg.model.hf_dir, keep_last=self.cfg.trainer.keep_last,
         )  # fmt: skip
-        if away:  # a deep sleep lost the engine's weights: push them again
-            self._engine_takes_gpu()
+        if away:  # the engine already has these weights, unless a deep sleep discarded them
+            self._engine_takes_gpu(push=self.rollout.sleep_discards_weights)
         self._last_saved_step = self.step
         self.plot()  # a run killed later still has its curves up to here
         return path

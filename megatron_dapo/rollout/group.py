@@ -290,6 +290,13 @@ class RolloutGroup:
         if self.engine is not None and self.free_cache:
             self.engine.sleep(self.sleep_level if level is None else level)
 
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """Whether `sleep` drops the engine's weights (level 2), so that waking needs a full push.
+
+        The same on every rank (ranks without an engine take part in the push's collectives)."""
+        return self.free_cache and self.sleep_level == 2
+
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Bring back the memory of `tags` ("weights", "kv_cache"; None = all) before syncing / generating."""
         if self.engine is not None and self.free_cache:

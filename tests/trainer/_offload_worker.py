@@ -6,8 +6,9 @@ The real trainer on the tiny demo workspace, twice in one process: with the acto
 and the actor are spied on at class level (the real methods run), so the start-up and each step
 record the order of engine sleep / wake-ups, weight syncs, offloads / onloads, log-probs, updates
 and generation, and at each of those moments whether the actor's storages are really resident or
-really freed. Each run takes two steps and writes a checkpoint after the first; the metrics and
-the final weights of the two runs are returned for comparison.
+really freed. Each run takes two steps and writes a checkpoint after the first, and one more
+after the second as if `rollout.sleep_level` were 1; the metrics and the final weights of the two
+runs are returned for comparison.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def run(config: str, overrides: list, offload_overrides: list, output_dir: str) 
                     events.clear()
                     trainer.save()
                     phases["save"] = _collapse(events)
+            # At sleep level 1 the engine keeps its weights: a checkpoint hands the GPU back without a push.
+            events.clear()
+            trainer.rollout.sleep_level = 1
+            trainer.save()
+            phases["save_level1"] = _collapse(events)
             trainer.offload.onload()  # to read the final weights
             result[name] = {
                 "phases": phases,

@@ -30,6 +30,8 @@ EXPECTED = {
     "step": ["generate", "engine:sleep", "onload:all", "log_probs", "update", *HAND_OVER],
     # A checkpoint reads the actor: engine sleeps, actor back, save, and the hand-over again.
     "save": ["engine:sleep", "onload:all", *HAND_OVER],
+    # At sleep level 1 the engine kept the weights it has: the same hand-over without the push.
+    "save_level1": ["engine:sleep", "onload:all", *[event for event in HAND_OVER if event != "sync"]],
 }
 
 
@@ -52,6 +54,7 @@ def test_the_gpu_changes_hands_in_order(runs):
     assert phases["start"] == EXPECTED["start"]
     assert phases["step1"] == phases["step2"] == EXPECTED["step"]
     assert phases["save"] == EXPECTED["save"]
+    assert phases["save_level1"] == EXPECTED["save_level1"]
     # Every recorded moment found the storages where the order says: resident for log-probs and the
     # update, params alone resident for the sync, everything freed while generating.
     assert on["checks"] == []
@@ -63,7 +66,7 @@ def test_without_offload_the_engine_still_wakes_weights_before_kv_cache(runs):
     # The offloader's calls are no-ops here (they still appear: the trainer's code path is one).
     step = [e for e in resident["phases"]["step1"] if not e.startswith(("offload:", "onload:"))]
     assert step == ["generate", "engine:sleep", "log_probs", "update", "engine:wake:weights", "sync", "engine:wake:kv_cache"]
-    assert resident["phases"]["save"] == []  # nothing was away: a checkpoint needs no hand-over
+    assert resident["phases"]["save"] == resident["phases"]["save_level1"] == []  # nothing was away: no hand-over
 
 
 def test_offloaded_steps_equal_resident_steps(runs):
