@@ -211,6 +211,7 @@ SGLANG = Requirement(
             ),
         ),
         Probe("sglang", "Engine.resume_memory_occupation", parameters=("tags",)),
+        Probe("sglang.srt.utils", "MultiprocessingSerializer"),
         Probe("sglang", "Engine.update_weights_from_tensor", parameters=("named_tensors", "load_format", "flush_cache")),
         # SGLang PR 28001 (June 2026) made every update_weights_from_* assert an open weight-update
         # session (Engine.begin_weight_update / end_weight_update); the adapter does not open one
