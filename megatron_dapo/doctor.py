@@ -970,12 +970,8 @@ MEGATRON_DAPO_UNTESTED_VERSIONS=1 turns an engine version outside its tested ran
 """
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.description = textwrap.fill(DESCRIPTION, 100)
-    parser.epilog = EPILOG
+def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML config of the job (or give it first among the overrides; default: built-in defaults)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides as for train, e.g. parallel.tp=2 trainer.output_dir=/scratch/run")
     parser.add_argument(
         "--world-size",
         type=int,
@@ -990,6 +986,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="limit for meeting the other ranks and each collective (default 60)")
     parser.add_argument("--bandwidth-mib", type=int, default=16, help="MiB all-reduced per timed round (default 16)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options may come before or after the overrides (`doctor --config F key=value --world-size 8`)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = textwrap.fill(DESCRIPTION, 100)
+    parser.epilog = EPILOG
+    _add_options(parser)
+    parser.add_argument(
+        "overrides",
+        nargs=argparse.REMAINDER,
+        help="dotted overrides as for train, e.g. parallel.tp=2 trainer.output_dir=/scratch/run",
+    )
+
+
+def _sort_remainder(args: argparse.Namespace) -> argparse.Namespace:
+    """Options that followed an override ended up in `args.overrides`: parse them out."""
+    if not any(item.startswith("-") for item in args.overrides):
+        return args
+    rest = argparse.ArgumentParser(prog="megatron-dapo doctor", add_help=False, argument_default=argparse.SUPPRESS)
+    _add_options(rest)
+    rest.add_argument("overrides", nargs="*")
+    parsed = vars(rest.parse_intermixed_args(args.overrides))
+    args.overrides = []
+    for key, value in parsed.items():
+        setattr(args, key, value)
+    return args
 
 
 _DEFAULT_ROUTE_PROBE = "192.0.2.1"
@@ -1054,6 +1077,7 @@ def _title(shape: JobShape, args: argparse.Namespace, hosts: Sequence[str]) -> s
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    args = _sort_remainder(args)
     if args.world_size is not None and args.world_size < 1:
         print(f"doctor error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return EXIT_USAGE
