@@ -231,7 +231,7 @@ DESCRIPTION = (
     "Transformer Engine and flash attention, vLLM / SGLang / Megatron-Core versions and APIs, /dev/shm, "
     "locked-memory limit and host RAM vs the pinned memory offload takes, free disk at trainer.output_dir, "
     "GLOO/NCCL socket interfaces, and (world > 1) a gloo and NCCL all-reduce across all ranks with its "
-    "bandwidth. Prints one table (rank 0); takes well under a minute."
+    "bandwidth. Prints one table (rank 0); takes under a minute."
 )
 
 EPILOG = """\

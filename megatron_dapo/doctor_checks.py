@@ -584,7 +584,10 @@ def check_memlock(limit: Optional[int], pinned_need: Optional[float], cuda_avail
         # The NVIDIA driver does not count cudaHostAlloc against this limit everywhere; InfiniBand
         # registration and containers that enforce it do, so it is a warning, not a failure.
         return Check("locked memory", WARN, f"ulimit -l {shown}, but " + " and ".join(reasons), fix)
-    need = "nothing pinned by the plan" if not pinned_need else f"the plan pins {_gib(pinned_need)} per task"
+    if pinned_need is None:
+        need = "no memory plan to compare with (set model.hf_dir or --model)"
+    else:
+        need = f"the plan pins {_gib(pinned_need)} per task" if pinned_need else "nothing pinned by the plan"
     return Check("locked memory", PASS, f"ulimit -l {shown}; {need}")
 
 
