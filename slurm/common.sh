@@ -1,9 +1,10 @@
 # Shared launch logic of the slurm/*.sbatch scripts. Sourced inside a batch job, never executed.
 #
 #   source "${REPO_DIR:-$SLURM_SUBMIT_DIR}/slurm/common.sh"
-#   dapo_setup                                   # repo dir, venv, rendezvous and thread environment
-#   dapo_train configs/x.yaml "$@"               # check the config, then srun one trainer per task
+#   dapo_setup                                   # repo dir, venv, rendezvous, network and thread environment
+#   dapo_train configs/x.yaml "$@"               # check the config, doctor on every task, then one trainer per task
 #   dapo_train_command configs/x.yaml "$@"       # only build DAPO_TRAIN_CMD (checks included)
+#   dapo_doctor configs/x.yaml "$@"              # only the pre-flight: `megatron-dapo doctor` on every task
 #   dapo_srun python my_script.py                # or any other program, one copy per task
 #
 # Rendezvous: every task runs the same `megatron-dapo train`; init_distributed() reads its rank
@@ -11,6 +12,17 @@
 # exported here as the first host of the allocation and a port derived from the job id (the same
 # formula as megatron_dapo.distributed.setup.slurm_master_port, so a task that lost the variable
 # would still agree). Export MASTER_PORT before sbatch to choose it yourself.
+#
+# Pre-flight: before the trainer, `megatron-dapo doctor` runs once per task (versions, GPUs per task,
+# memory against the plan, /dev/shm, locked memory, disk, socket interfaces, a gloo/NCCL all-reduce
+# across all nodes) and prints one table into the job log; a failed check ends the job there, before
+# the model loads. DAPO_DOCTOR=0 skips it.
+#
+# Network: gloo groups span nodes, and gloo binds to the address a node's own name resolves to
+# (127.0.1.1 on many Debian-style hosts): GLOO_SOCKET_IFNAME is exported as the interface the first
+# node reaches the others through, unless set. NCCL picks its own (InfiniBand first) unless
+# NCCL_SOCKET_IFNAME is set. vLLM's compile cache (VLLM_CACHE_ROOT) is one node-local directory per
+# node, shared by its ranks and kept across restarts, unless set.
 #
 # Resuming: `--resume` is passed to the trainer when given on the sbatch command line, and also
 # automatically when SLURM restarts a requeued job (SLURM_RESTART_COUNT > 0: preemption, node
@@ -58,8 +70,29 @@ dapo_setup() {
     export PYTHONUNBUFFERED=1
     export PYTHONPATH="$DAPO_REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
 
+    dapo_socket_ifname
+    # One compile cache per node: the same node-local path everywhere is a different directory on
+    # each node; its ranks share it and a restarted or requeued job on the node finds it again.
+    export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-/tmp/megatron-dapo-vllm-cache-${USER:-$(id -un)}}"
+
     dapo_log "job $SLURM_JOB_ID: ${SLURM_NTASKS:-?} tasks on ${SLURM_JOB_NUM_NODES:-?} node(s) ($SLURM_JOB_NODELIST)," \
-        "rendezvous $MASTER_ADDR:$MASTER_PORT, restart ${SLURM_RESTART_COUNT:-0}, repo $DAPO_REPO_DIR"
+        "rendezvous $MASTER_ADDR:$MASTER_PORT, gloo interface ${GLOO_SOCKET_IFNAME:-(by host name)}," \
+        "restart ${SLURM_RESTART_COUNT:-0}, repo $DAPO_REPO_DIR"
+}
+
+# Export GLOO_SOCKET_IFNAME (unless set, and only across nodes) as the interface this node - the
+# first of the job - reaches the other nodes through; the doctor checks it exists on every node.
+dapo_socket_ifname() {
+    [ -z "${GLOO_SOCKET_IFNAME:-}" ] || return 0
+    [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ] || return 0
+    local peers ifname
+    peers="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2 | tr '\n' ' ')"
+    # shellcheck disable=SC2086  # one argument per host
+    if ifname="$(python -m megatron_dapo.distributed.socket_interfaces $peers)" && [ -n "$ifname" ]; then
+        export GLOO_SOCKET_IFNAME="$ifname"
+    else
+        dapo_log "warning: found no interface towards $peers: export GLOO_SOCKET_IFNAME (the doctor checks it)"
+    fi
 }
 
 # Run a program once per task of the allocation.
@@ -112,8 +145,34 @@ dapo_train_command() {
     dapo_log "${DAPO_TRAIN_CMD[*]:3} -> $output_dir"
 }
 
-# dapo_train DEFAULT_CONFIG [args...]: dapo_train_command, then one trainer per task.
+# dapo_doctor DEFAULT_CONFIG [--config FILE] [key=value ...] [other arguments, ignored]
+# `megatron-dapo doctor` on every task with the job's config and overrides; stops the job on a failed
+# check (the table in the job log says what to change). DAPO_DOCTOR=0 skips it.
+dapo_doctor() {
+    local config="${CONFIG:-$1}"
+    shift
+    if [ "${DAPO_DOCTOR:-1}" = 0 ]; then
+        dapo_log "doctor skipped (DAPO_DOCTOR=0)"
+        return 0
+    fi
+    local overrides=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --config) [ $# -ge 2 ] || dapo_die "--config needs a file"; config="$2"; shift 2; continue ;;
+            --config=*) config="${1#--config=}" ;;
+            -*) ;;  # the trainer's (or demo's) own flags
+            *=*) overrides+=("$1") ;;
+        esac
+        shift
+    done
+    dapo_log "doctor: ${SLURM_NTASKS:-1} task(s) check the nodes for $config"
+    dapo_srun python -m megatron_dapo.cli doctor --config "$config" "${overrides[@]}" \
+        || dapo_die "the doctor found a problem (its table above says what to change); DAPO_DOCTOR=0 skips it"
+}
+
+# dapo_train DEFAULT_CONFIG [args...]: dapo_train_command, the doctor on every task, then one trainer per task.
 dapo_train() {
     dapo_train_command "$@"
+    dapo_doctor "$@"
     dapo_srun "${DAPO_TRAIN_CMD[@]}"
 }

@@ -63,6 +63,7 @@ import torch
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 from megatron_dapo.rollout.bucketing import iter_buckets
+from megatron_dapo.versions import require as require_version
 
 _INSTALL_HINT = (
     "the SGLang rollout engine needs SGLang: `pip install 'megatron-dapo[sglang]'` "
@@ -171,6 +172,7 @@ class SGLangEngine(RolloutEngine):
     ) -> None:
         """Start SGLang on an HF model directory; other keyword arguments go to `sglang.Engine`."""
         sglang = _import_sglang()
+        require_version("sglang")  # installed version in the tested range, every API we call present
         if weight_bucket_mb <= 0:
             raise ValueError(f"weight_bucket_mb must be > 0, got {weight_bucket_mb}")
         if weight_load_format not in ("flattened_bucket", "tensors"):

@@ -73,6 +73,7 @@ import torch
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 from megatron_dapo.rollout.bucketing import iter_buckets, write_safetensors
 from megatron_dapo.rollout.vllm_io import collect_outputs, vllm_sampling_kwargs
+from megatron_dapo.versions import require as require_version
 
 _INSTALL_HINT = (
     "the vLLM rollout engine needs vLLM: `pip install vllm` on a GPU machine, or the CPU build "
@@ -164,6 +165,7 @@ class VLLMEngine(RolloutEngine):
         once). Other keyword arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
         """
         vllm, self._tokens_prompt = _import_vllm()
+        require_version("vllm")  # installed version in the tested range, every API we call present
         if weight_bucket_mb <= 0:
             raise ValueError(f"weight_bucket_mb must be > 0, got {weight_bucket_mb}")
         if placement not in PLACEMENTS:

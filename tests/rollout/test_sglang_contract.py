@@ -122,6 +122,7 @@ class FakeSGLang:
             "sglang.srt.model_executor.model_runner": None,
         }
         self.modules["sglang"].Engine = Engine
+        self.modules["sglang"].__version__ = "0.5.4"  # in the tested range (versions.SGLANG), checked at engine creation
         self.modules["sglang.srt.constants"].GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
         self.modules["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
         self.modules["sglang.srt.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions

@@ -6,7 +6,11 @@
 - a restarted (requeued) job resumes when, and only when, a checkpoint exists;
 - the 7B / 32B scripts, with only their resource lines changed, run up to the launch, where the
   batch shell's config check stops an impossible layout before any rank starts;
-- the demo script trains 2 steps over 2 gloo processes and writes metrics and a checkpoint.
+- the demo script runs the doctor on both tasks, then trains 2 steps over 2 gloo processes and
+  writes metrics and a checkpoint;
+- `dapo_doctor` on 2 tasks: one table in the job log with a gloo all-reduce between them, the
+  interface common.sh picks for gloo, and a failed check (a GLOO_SOCKET_IFNAME this node lacks)
+  stopping the job before the next step.
 """
 
 from __future__ import annotations
@@ -236,8 +240,15 @@ def test_demo_cpu_sbatch_trains_and_checkpoints(slurm_cluster, tmp_path):
         "rollout.max_response_length=32",
         "algorithm.overlong_buffer.len=8",
     ]
-    job = slurm_cluster.submit(SLURM_DIR / "demo_cpu.sbatch", args=overrides, cwd=REPO_ROOT, timeout_s=240)
+    job = slurm_cluster.submit(SLURM_DIR / "demo_cpu.sbatch", args=overrides, cwd=REPO_ROOT, timeout_s=480)
     job.assert_completed()
+
+    # The doctor ran first, on both tasks, and its table is in the job log.
+    output = job.output()
+    assert output.count("megatron-dapo doctor: 2 task(s) on 1 node(s)") == 1, job.describe()
+    assert "launcher slurm" in output and "-> exit 0" in output, job.describe()
+    assert _row(output, "gloo all-reduce").split()[2:4] == ["pass", "all"], job.describe()
+    assert output.index("megatron-dapo doctor:") < output.index("== phase 1"), job.describe()
 
     metrics_file = output_dir / "metrics.jsonl"
     assert metrics_file.exists(), job.describe()
@@ -246,3 +257,59 @@ def test_demo_cpu_sbatch_trains_and_checkpoints(slurm_cluster, tmp_path):
     latest = output_dir / "checkpoints" / "latest"
     assert latest.exists(), job.describe()
     assert (output_dir / "checkpoints" / latest.read_text().strip()).is_dir()
+
+
+def _row(output: str, check: str) -> str:
+    """The doctor table's row of `check` (first match)."""
+    return next(line for line in output.splitlines() if line.strip().startswith(check))
+
+
+def test_doctor_on_every_task_with_a_gloo_all_reduce(slurm_cluster, tmp_path):
+    """`dapo_doctor` as the GPU scripts run it: srun, one doctor per task, one merged table.
+
+    Also common.sh's network set-up: the interface for gloo towards another node (pretended: a
+    documentation address as the second node, reached through the default route) is the one the
+    doctor's own `interface_for_peers` finds, and vLLM's cache is one node-local directory.
+    """
+    from megatron_dapo.distributed.socket_interfaces import interface_for_peers
+
+    script = _write_job(
+        tmp_path / "doctor.sbatch",
+        f"""\
+        (
+            export SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST="localhost,192.0.2.1"
+            unset GLOO_SOCKET_IFNAME
+            dapo_socket_ifname
+            echo "CHOSEN=${{GLOO_SOCKET_IFNAME:-none}}"
+        )
+        echo "CACHE=$VLLM_CACHE_ROOT GLOO=${{GLOO_SOCKET_IFNAME:-unset}}"
+        dapo_doctor configs/tiny_cpu.yaml --resume parallel.tp=2 "trainer.output_dir={tmp_path / 'out'}"
+        echo "after the doctor"
+        """,
+    )
+    job = slurm_cluster.submit(script, cwd=REPO_ROOT, timeout_s=300).assert_completed()
+    output = job.output()
+    assert output.count("megatron-dapo doctor: 2 task(s) on 1 node(s)") == 1, job.describe()  # rank 0 prints
+    assert "launcher slurm" in output and "config configs/tiny_cpu.yaml" in output
+    row = _row(output, "gloo all-reduce")
+    assert row.split()[2:4] == ["pass", "all"] and "2 ranks on 1 node(s): 16 MiB in" in row and "GB/s" in row, row
+    assert _row(output, "config").split()[1:3] == ["pass", "all"] and "world=2 = tp 2" in output
+    assert "-> exit 0" in output and "after the doctor" in output
+    assert f"CHOSEN={interface_for_peers(['192.0.2.1']) or 'none'}" in output, job.describe()
+    assert "CACHE=/tmp/megatron-dapo-vllm-cache-" in output and "GLOO=unset" in output  # one node: gloo left alone
+
+
+def test_a_failed_doctor_stops_the_job(slurm_cluster, tmp_path):
+    script = _write_job(
+        tmp_path / "doctor-fails.sbatch",
+        f"""\
+        export GLOO_SOCKET_IFNAME=nosuchif0
+        dapo_doctor configs/tiny_cpu.yaml "trainer.output_dir={tmp_path / 'out'}"
+        echo "after the doctor"
+        """,
+    )
+    job = slurm_cluster.submit(script, cwd=REPO_ROOT, timeout_s=300)
+    assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
+    output = job.output()
+    assert "nosuchif0 does not exist on this node" in output, job.describe()
+    assert "the doctor found a problem" in output and "after the doctor" not in output, job.describe()
