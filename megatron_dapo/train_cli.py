@@ -20,6 +20,7 @@ SIGTERM (SLURM preemption, a time limit) ends the job with exit code 143:
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -116,8 +117,6 @@ def _run_guarded(fn) -> int:
 
 
 def _rank_suffix() -> str:
-    import os
-
     rank, world = os.environ.get("RANK") or os.environ.get("SLURM_PROCID"), os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
     return f" (rank {rank})" if rank is not None and world not in (None, "1") else ""
 

@@ -448,7 +448,7 @@ class DAPOTrainer:
         self.say_rank0(f"{dataset.name} data: {dataset.stats.describe()}")
 
     def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True  # acted on after the next generation batch or update, by every rank together
+        self._stop_requested = True  # acted on by every rank together: after this generation batch, before the update or after the step
 
     def say_rank0(self, text: str) -> None:
         if self.rank0:
