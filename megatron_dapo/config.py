@@ -156,6 +156,11 @@ class RolloutConfig:
     val_temperature: float = 1.0
     val_top_p: float = 0.7
     seed: int = 0
+    gather_timeout_s: float = 10800.0
+    """How long ranks wait for each other's generation results (3 hours). Engines generate on their
+    own and may finish minutes apart, so the ranks meet on a gloo group with this timeout before any
+    tensor moves over the default group (NCCL on GPUs), whose timeout is
+    `trainer.collective_timeout_s`. Raise it if one generation batch can take longer."""
 
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
@@ -301,7 +306,8 @@ class TrainerConfig:
     seed: int = 42
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     collective_timeout_s: float = 1800.0
-    """A hung rank fails the job after this many seconds instead of idling."""
+    """A hung rank fails the job after this many seconds instead of idling (every collective except
+    the wait for other engines' generation results, which `rollout.gather_timeout_s` bounds)."""
 
 
 @dataclass
@@ -567,6 +573,7 @@ def validate(cfg: Config) -> None:
         _require(value >= 0, f"'trainer.{key}' must be >= 0, got {value}")
     _require(t.keep_last >= 1, f"'trainer.keep_last' must be >= 1, got {t.keep_last}")
     _require(t.collective_timeout_s > 0, "'trainer.collective_timeout_s' must be > 0")
+    _require(r.gather_timeout_s > 0, f"'rollout.gather_timeout_s' must be > 0, got {r.gather_timeout_s}")
     _require(
         t.gen_batch_size >= t.train_batch_size,
         f"'trainer.gen_batch_size'={t.gen_batch_size} is smaller than 'trainer.train_batch_size'="

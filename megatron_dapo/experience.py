@@ -122,21 +122,24 @@ def filter_metric(samples: Samples, name: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-def gather_samples(local: Optional[Samples], order_key: Optional[int] = None) -> Samples:
+def gather_samples(local: Optional[Samples], order_key: Optional[int] = None, meet_on: Optional[Any] = None) -> Samples:
     """Every rank gets all contributors' samples, in `order_key` order (world collective).
 
     Contributors are the ranks with samples (`generate_and_score` returns None on the others);
-    `order_key` defaults to the data-parallel rank, so replica 0's samples come first.
+    `order_key` defaults to the data-parallel rank, so replica 0's samples come first. Called right
+    after engines generated on their own: ranks first meet on the gather group (gloo,
+    `rollout.gather_timeout_s`; `meet_on` overrides it), then the token buffers move over the default
+    group (`tensor_gather.share_from_contributors`).
     """
     from megatron_dapo.distributed.objects import data_parallel_rank_and_size
     from megatron_dapo.distributed.tensor_gather import share_from_contributors
 
     if local is None:
-        shared = share_from_contributors(None, None, None)
+        shared = share_from_contributors(None, None, None, meet_on=meet_on)
     else:
         header, payload = pack_samples(local)
         key = data_parallel_rank_and_size()[0] if order_key is None else order_key
-        shared = share_from_contributors(key, header, payload)
+        shared = share_from_contributors(key, header, payload, meet_on=meet_on)
     return Samples.concat([unpack_samples(header, payload) for header, payload in shared])
 
 

@@ -86,7 +86,9 @@ def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
 
     world_size = launch_world_size()
     layout_text = preflight(cfg, world_size, needs_data=needs_data)
-    ctx = init_distributed(cfg.parallel, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed)
+    ctx = init_distributed(
+        cfg.parallel, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed, gather_timeout_s=cfg.rollout.gather_timeout_s
+    )
     if is_logging_rank():
         say(f"[megatron-dapo] {world_size} process(es), backend {ctx.backend}, device {ctx.device.type}\n{layout_text}")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)

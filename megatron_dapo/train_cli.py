@@ -7,14 +7,38 @@
 A run writes under `trainer.output_dir`: metrics.jsonl, tensorboard/, checkpoints/step_N (atomic,
 `checkpoints/latest`), plot.png and the resolved config.yaml. `--resume` continues from the latest
 checkpoint there (same data order and generation seeds, so the steps equal an uninterrupted run's),
-or starts from step 0 when there is none, so that a requeued SLURM job can always pass it. SIGTERM
-(SLURM preemption) finishes the step, writes a checkpoint and exits with code 143.
+or starts from step 0 when there is none, so that a requeued SLURM job can always pass it.
+
+SIGTERM (SLURM preemption, a time limit) ends the job with exit code 143:
+- during generation or before the update: after the current generation batch, a checkpoint of the
+  state at the step's start (the step is redone, with the same prompts and seeds, on --resume);
+- during or after the update: the step is finished and checkpointed;
+- during start-up (loading the model, starting the engine) or shut-down: at once, with one line,
+  and no checkpoint (nothing was trained since the last one).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
+
+EXIT_SIGTERM = 143  # 128 + SIGTERM, also the trainer's exit code after a preemption checkpoint
+
+
+class StoppedOutsideTraining(SystemExit):
+    """SIGTERM while no training loop was there to checkpoint (start-up, shut-down): exit 143.
+
+    A SystemExit, so that library code catching `Exception` while loading does not swallow it."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_SIGTERM)
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise StoppedOutsideTraining()
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +81,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def guarded(fn) -> int:
     """Configuration and data errors: one clear line and exit code 2 (1 when dynamic sampling runs
-    dry), not a traceback."""
+    dry), not a traceback. SIGTERM outside a training loop (which installs its own handler, see
+    `trainer.DAPOTrainer.fit`): one line and exit code 143, instead of the signal's default action."""
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
+    try:
+        return _run_guarded(fn)
+    except StoppedOutsideTraining:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        _close_process_groups()
+        print(f"megatron-dapo: stopped by SIGTERM{_rank_suffix()} outside the training loop (start-up or shut-down): "
+              f"no checkpoint written; exit code {EXIT_SIGTERM}", file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_guarded(fn) -> int:
     from megatron_dapo.config import ConfigError
     from megatron_dapo.data.dataset import DatasetError
 
@@ -72,6 +114,23 @@ def guarded(fn) -> int:
         print(f"megatron-dapo: stopped: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rank_suffix() -> str:
+    rank, world = os.environ.get("RANK") or os.environ.get("SLURM_PROCID"), os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    return f" (rank {rank})" if rank is not None and world not in (None, "1") else ""
+
+
+def _close_process_groups() -> None:
+    """Best effort: leave no process group alive at exit (the job is stopping; errors do not matter)."""
+    if "torch.distributed" not in sys.modules:
+        return
+    try:
+        from megatron_dapo.distributed.setup import teardown
+
+        teardown()
+    except Exception:  # noqa: BLE001 - e.g. interrupted half-way through importing Megatron
+        pass
 
 
 def run(args: argparse.Namespace) -> int:

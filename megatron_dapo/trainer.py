@@ -18,12 +18,20 @@ cache wake. So the KV cache never shares the GPU with the actor state that is of
 Every data-dependent decision (is the batch full? stop on SIGTERM?) is taken from values gathered
 from all ranks, so no rank diverges and no collective hangs. A resumed run continues with the same
 data order and generation seeds, so its steps equal those of an uninterrupted run.
+
+SIGTERM (SLURM preemption, a time limit) is checked by all ranks together after each generation
+batch and before the update, where the ranks are in step (they have just met in the gather of the
+generation results), and after the step. Before the update the actor has not changed: the checkpoint
+is the state at the step's start (the previous step, the prompt sampler and RNG as they were then),
+and the resumed run redoes the step with the same prompts and seeds. After the update the step is
+finished (weight sync, metrics) and saved. Either way the exit code is 143.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,6 +46,20 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was asked to stop and left a chec
 
 class TrainingInterrupted(SystemExit):
     """Raised after the checkpoint written on SIGTERM (exit code 143)."""
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What a stop before the update puts back: the prompt sampler's and the RNGs' state at the step's start."""
+
+    sampler: dict
+    rng: dict
+
+    @classmethod
+    def capture(cls, sampler) -> "StepStart":
+        from megatron_dapo.checkpoint.rng import capture_rng_state
+
+        return cls(sampler=sampler.state_dict(), rng=capture_rng_state())
 
 
 class DAPOTrainer:
@@ -119,6 +141,8 @@ class DAPOTrainer:
             with ProgressBar(t.total_steps, initial=self.step, enabled=self.rank0, desc="dapo") as progress:
                 if self.step == 0 and t.val_before_train and self.val_data is not None:
                     self.logger.log(self.validate(), step=0)
+                    if any_rank(self._stop_requested):  # in step: validation ends with a gather
+                        self._exit_preempted(f"SIGTERM before step 1: checkpoint of step {self.step} written")
                 while self.step < t.total_steps:
                     self.step += 1
                     metrics = self.train_step()
@@ -130,9 +154,7 @@ class DAPOTrainer:
                     if t.save_every and (self.step % t.save_every == 0 or self.step == t.total_steps):
                         self.save()
                     if any_rank(self._stop_requested):
-                        self.save()
-                        self.say_rank0(f"SIGTERM: checkpoint of step {self.step} written; continue with --resume")
-                        raise TrainingInterrupted(EXIT_PREEMPTED)
+                        self._exit_preempted(f"SIGTERM: checkpoint of step {self.step} written")
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.plot()
@@ -147,11 +169,13 @@ class DAPOTrainer:
         # On a GPU each phase ends with a synchronize, so kernels are charged to the phase that queued them.
         cfg, timer = self.cfg, PhaseTimer(synchronize=torch.cuda.synchronize if torch.cuda.is_available() else None)
         started = time.perf_counter()
+        start = StepStart.capture(self.sampler)
         generated: list[Samples] = []
         # 1. Generate and score until train_batch_size prompt groups with mixed accuracy are kept.
         with timer.phase("gen"):
             while not self.buffer.is_full:  # `take` empties the buffer: every step generates at least once
                 samples = self._generate_batch(len(generated))
+                self._stop_before_update_if_asked(start)  # after the gather: every rank is here
                 generated.append(samples)
                 metric = filter_metric(samples, cfg.algorithm.filter_groups.metric)
                 self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid)
@@ -171,6 +195,7 @@ class DAPOTrainer:
             with timer.phase("ref"):
                 batch.ref_log_probs = self.reference.compute_log_probs(batch).cpu()
         mismatch = self._mismatch(batch)
+        self._stop_before_update_if_asked(start)
         # 4. The update: ppo_mini_batch_size prompts per optimizer step, exact global token-mean.
         num_mini_batches = cfg.trainer.train_batch_size // cfg.trainer.ppo_mini_batch_size
         with timer.phase("update"):
@@ -262,6 +287,32 @@ class DAPOTrainer:
 
         stats = log_prob_mismatch(batch.rollout_log_probs, batch.old_log_probs, batch.response_valid_mask())
         return reduce(lambda a, b: a.merge(b), gather_from_leaders(stats)).as_metrics()
+
+    def _stop_before_update_if_asked(self, start: StepStart) -> None:
+        """On SIGTERM (seen by any rank), save the state at the start of this step and exit with 143.
+
+        The actor has not changed yet, so the checkpoint is the previous step's, with the prompt
+        sampler and the RNGs put back to where this step began: `--resume` redoes the step with the
+        same prompts and seeds. A collective (`any_rank`) on the default group: call it only where
+        the ranks are in step, i.e. after the gather of a generation batch, never while an engine
+        may still be generating (that wait belongs to the gather group, `rollout.gather_timeout_s`).
+        """
+        from megatron_dapo.checkpoint.rng import restore_rng_state
+        from megatron_dapo.distributed.objects import any_rank
+
+        if not any_rank(self._stop_requested):
+            return
+        interrupted = self.step
+        self.step -= 1
+        self.sampler.load_state_dict(start.sampler)
+        restore_rng_state(start.rng)
+        self._exit_preempted(f"SIGTERM during step {interrupted}, before its update: checkpoint of step {self.step} written")
+
+    def _exit_preempted(self, what: str) -> None:
+        """Save the current state (unless saved already), say so, exit with 143 (every rank)."""
+        self.save()
+        self.say_rank0(f"{what}; continue with --resume")
+        raise TrainingInterrupted(EXIT_PREEMPTED)
 
     def _actor_takes_gpu(self, timer=None):
         """The engine sleeps, then the actor's offloaded state comes back. Returns the onload's `OffloadStats`."""
@@ -397,7 +448,7 @@ class DAPOTrainer:
         self.say_rank0(f"{dataset.name} data: {dataset.stats.describe()}")
 
     def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True  # acted on at the end of the step, by every rank together
+        self._stop_requested = True  # acted on by every rank together: after this generation batch, before the update or after the step
 
     def say_rank0(self, text: str) -> None:
         if self.rank0:

@@ -6,6 +6,12 @@ validation scores - is small next to the model and moves as pickled objects. Eve
 collective over the whole world (or the named group) so that every rank takes the same decision
 from the same values (DESIGN.md: "same decision on every rank"); each inherits the process-group
 timeout set by `init_distributed`, so a rank that never arrives fails the job instead of hanging.
+
+Gathers that follow independent generation (`gather_from_leaders`, `tensor_gather`) meet on the
+gather group (`meeting_group()`: gloo, `rollout.gather_timeout_s`) instead: there a rank may wait
+for another replica's engine far longer than `trainer.collective_timeout_s`. `any_rank` stays on
+the default group; call it where ranks are in step (right after such a gather), never as the first
+collective after generating.
 """
 
 from __future__ import annotations
@@ -47,17 +53,29 @@ def is_logging_rank() -> bool:
     return not _initialised() or dist.get_rank() == 0
 
 
-def gather_from_leaders(payload: Any) -> list[Any]:
+def meeting_group(explicit: Optional[Any] = None) -> Optional[Any]:
+    """The group where ranks meet after generating independently: `explicit` if given, else the gather
+    group of `init_distributed` (gloo, `rollout.gather_timeout_s`), else None (the default group,
+    where torch.distributed was set up without `init_distributed`)."""
+    if explicit is not None:
+        return explicit
+    from megatron_dapo.distributed.setup import gather_group
+
+    return gather_group()
+
+
+def gather_from_leaders(payload: Any, meet_on: Optional[Any] = None) -> list[Any]:
     """Every rank gets the leaders' payloads ordered by data-parallel rank (world collective).
 
-    Non-leaders pass anything (it is ignored: they send None).
+    Non-leaders pass anything (it is ignored: they send None). Pickles travel on the gather group
+    (`meeting_group`), so leaders that finish their work minutes apart do not trip the default timeout.
     """
     dp_rank, dp_size = data_parallel_rank_and_size()
     mine = (dp_rank, payload) if is_replica_leader() else None
     if not _initialised():
         return [payload]
     gathered: list[Optional[tuple[int, Any]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=meeting_group(meet_on))
     by_replica = {entry[0]: entry[1] for entry in gathered if entry is not None}
     if sorted(by_replica) != list(range(dp_size)):
         raise RuntimeError(f"expected one payload per data-parallel replica 0..{dp_size - 1}, got {sorted(by_replica)}")

@@ -13,6 +13,15 @@ Launch environments, in order of precedence:
 
 NCCL on GPUs (the CUDA device is set from the local rank), gloo on the CPU, where the CPU
 compatibility layer is enabled before Megatron is first imported.
+
+Two timeouts. Every collective of the default group (and of Megatron's groups) fails after
+`timeout_s` (`trainer.collective_timeout_s`): a rank that never arrives fails the job instead of
+hanging. The one place where ranks legitimately wait long for each other is right after the rollout
+engines generated on their own (one engine may finish minutes after another); there the ranks first
+meet on the *gather group* (`gather_group()`), a gloo group over the whole world with its own long
+timeout (`rollout.gather_timeout_s`), and only then move tensors over the default group (NCCL on
+GPUs), where nobody waits long any more. Gloo groups are not watched by NCCL's watchdog
+(`TORCH_NCCL_ASYNC_ERROR_HANDLING`): their timeout is the only limit, raised in the waiting call.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ __all__ = [
     "DistributedContext",
     "LaunchEnv",
     "find_free_port",
+    "gather_group",
+    "gather_group_options",
     "init_distributed",
     "parse_slurm_hostlist",
     "resolve_launch_env",
@@ -42,6 +53,13 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_GATHER_TIMEOUT_S = 3 * 3600.0
+GATHER_GROUP_BACKEND = "gloo"
+"""The gather group's backend on every machine: a CPU wait with a timeout of its own, outside NCCL's
+watchdog, and object collectives (pickles) that need no device copy."""
+
+_gather_group: Optional[Any] = None
+_gather_group_timeout: Optional[datetime.timedelta] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +209,43 @@ def resolve_launch_env(env: Optional[Mapping[str, str]] = None, free_port: Optio
 # ---------------------------------------------------------------------------------------------
 
 
+def gather_group_options(gather_timeout_s: float) -> tuple[str, datetime.timedelta]:
+    """(backend, timeout) of the gather group for `rollout.gather_timeout_s`; pure.
+
+    Always gloo, whatever the default backend: a rank waiting there for a slow engine must neither
+    trip NCCL's watchdog nor hold a GPU stream.
+    """
+    if not gather_timeout_s > 0:
+        raise ValueError(f"rollout.gather_timeout_s must be > 0, got {gather_timeout_s}")
+    return GATHER_GROUP_BACKEND, datetime.timedelta(seconds=float(gather_timeout_s))
+
+
+def gather_group() -> Optional[Any]:
+    """The gloo group where ranks meet after generating independently (see the module doc).
+
+    None before `init_distributed` (or where torch.distributed was set up by other code): callers
+    then use the default group.
+    """
+    return _gather_group
+
+
+def _make_gather_group(gather_timeout_s: float) -> None:
+    """Create the gather group (a collective over the world: every rank calls it), once per timeout."""
+    import torch.distributed as dist
+
+    global _gather_group, _gather_group_timeout
+    backend, timeout = gather_group_options(gather_timeout_s)
+    if _gather_group is not None and _gather_group_timeout == timeout:
+        return  # kept from an earlier layout over the same processes (teardown(keep_process_group=True))
+    _gather_group = dist.new_group(backend=backend, timeout=timeout)
+    _gather_group_timeout = timeout
+
+
+def _forget_gather_group() -> None:
+    global _gather_group, _gather_group_timeout
+    _gather_group, _gather_group_timeout = None, None
+
+
 @dataclass(frozen=True)
 class DistributedContext:
     """What `init_distributed` set up for this process."""
@@ -215,11 +270,13 @@ def init_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     seed: int = 1234,
     env: Optional[Mapping[str, str]] = None,
+    gather_timeout_s: float = DEFAULT_GATHER_TIMEOUT_S,
 ) -> DistributedContext:
     """Initialise torch.distributed and Megatron's model-parallel state for this process.
 
     `parallel_cfg` is anything with tp/pp/vpp/cp attributes (`config.ParallelConfig`, `ParallelLayout`).
-    `timeout_s` bounds every collective (a rank that never arrives fails the job instead of hanging).
+    `timeout_s` bounds every collective (a rank that never arrives fails the job instead of hanging),
+    except on the gather group (`gather_group()`), which is created here with `gather_timeout_s`.
     Seeds Python, NumPy and torch with `seed + 100 * pp_rank` (Megatron's convention) and Megatron's
     tensor-parallel RNG tracker.
     """
@@ -262,6 +319,7 @@ def init_distributed(
             f"the launch environment says {launch.world_size}"
         )
 
+    _make_gather_group(gather_timeout_s)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -299,4 +357,7 @@ def teardown(keep_process_group: bool = False) -> None:
     except ImportError:
         pass
     if dist.is_initialized() and not keep_process_group:
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the gather group included
+        _forget_gather_group()
+    elif not dist.is_initialized():
+        _forget_gather_group()

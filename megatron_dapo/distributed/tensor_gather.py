@@ -7,9 +7,15 @@ contributor they cost 8 bytes a token (id + float32 log-prob) and a memcpy. The 
 fields (uid, score, prediction, ...) still travel as one pickled header, next to the buffer.
 
 `share_from_contributors` is a world collective: every rank calls it, contributors with a header
-and a 1-D tensor, the others with None. Each contributor's buffer is broadcast from its rank (one
-broadcast per contributor, so bytes on the wire equal the bytes produced, whatever the world size),
-on the GPU under NCCL.
+and a 1-D tensor, the others with None. It runs in two phases:
+
+1. meet: the headers are all-gathered on the gather group (`distributed.setup.gather_group`, gloo,
+   timeout `rollout.gather_timeout_s`). Ranks arrive here as their engines finish, possibly minutes
+   apart, so this is the only wait for someone else's generation, and it happens outside the default
+   group's (NCCL's) timeout and watchdog;
+2. move: each contributor's buffer is broadcast from its rank over the default group (one broadcast
+   per contributor, so bytes on the wire equal the bytes produced, whatever the world size), on the
+   GPU under NCCL. Every rank has already met, so nobody waits long inside these calls.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_dapo.distributed.objects import meeting_group
 
 
 def _initialised() -> bool:
@@ -31,7 +39,7 @@ def _wire_device() -> torch.device:
 
 
 def share_from_contributors(
-    order_key: Optional[int], header: Any, payload: Optional[torch.Tensor]
+    order_key: Optional[int], header: Any, payload: Optional[torch.Tensor], meet_on: Optional[Any] = None
 ) -> list[tuple[Any, torch.Tensor]]:
     """Every contributor's (header, payload), ordered by `order_key`, on every rank.
 
@@ -39,6 +47,9 @@ def share_from_contributors(
     replica), a picklable `header` and a 1-D `payload` tensor; every other rank passes
     ``order_key=None`` (its header and payload are ignored). Payloads keep their dtype and come back
     on the CPU. Without torch.distributed this is ``[(header, payload)]``.
+
+    `meet_on` is the group of the meeting phase (default: `objects.meeting_group()`, the gather
+    group); tests pass the default group to show what the gather group prevents.
     """
     if payload is not None and payload.dim() != 1:
         raise ValueError(f"payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
@@ -48,7 +59,7 @@ def share_from_contributors(
         return [(header, payload.cpu())]
     mine = None if order_key is None else (int(order_key), header, int(payload.numel()), payload.dtype)
     entries: list[Optional[tuple]] = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, mine)
+    dist.all_gather_object(entries, mine, group=meeting_group(meet_on))  # the wait for slow engines
     contributors = sorted((entry[0], rank, entry) for rank, entry in enumerate(entries) if entry is not None)
     keys = [key for key, _, _ in contributors]
     if len(set(keys)) != len(keys):
