@@ -50,6 +50,17 @@ def _quiet_known_warnings() -> None:
         for module in (r"torch\.distributed", r"megatron", r"megatron_dapo\.distributed\.cpu_compat"):
             warnings.filterwarnings("ignore", category=FutureWarning, module=module)
             warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+        # Megatron-Core's import-time notices that Transformer Engine / apex are missing (six on every CPU
+        # start): the start-up line of model/gpu_kernels.py names the layer implementation and the reason.
+        for message in MISSING_KERNEL_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.core")
+
+
+MISSING_KERNEL_WARNINGS = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+)
+"""Start of the messages megatron-core 0.16.1 warns with when TE / apex are missing (regexes)."""
 
 
 def main(argv: list[str] | None = None) -> int:

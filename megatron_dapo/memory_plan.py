@@ -15,8 +15,8 @@ The actor, the rollout engine and the trainer share every GPU and take turns:
 
 * generation: the actor state that is not offloaded (`actor.offload_params / _grads / _optimizer`;
   without offload all of it: params, grads, optimizer state) + reference + the engine's memory pool
-  (`rollout.gpu_memory_utilization` x GPU, the vLLM / SGLang convention: weights, KV cache and the
-  engine's own temporaries live inside it) + reserve;
+  (`rollout.gpu_memory_utilization` x GPU, the vLLM / SGLang convention: weights, KV cache and, for
+  vLLM, the engine's profiled activations live inside it) + the gathered results + reserve;
 * weight sync (after the update, `trainer.py`: grads and optimizer state go to host first if
   offloaded, then the engine's weights wake, the push, then the params go to host, and only then
   does the KV cache wake): the actor's params + the rest of the actor state not offloaded +
@@ -36,6 +36,37 @@ where a sleeping engine keeps them there (vLLM at `rollout.sleep_level=1`, the e
 either level; vLLM at level 2 and SGLang drop them);
 per node that times the GPUs per node (an upper bound with PP > 1, where stages differ).
 
+The GPU is what `torch.cuda.get_device_properties(i).total_memory` reports, not the marketing size:
+an "80 GB" H100 reports about 79.1 GiB (PyTorch's out-of-memory messages say "total capacity of
+79.10 GiB", vLLM logs "total_gpu_memory (79.11GiB)" to 79.25 with the driver), an H200 139.8 GiB
+(vLLM: "total_gpu_memory (139.81GiB)"), an A100 80GB 79.15 to 79.25 and an A100 40GB 39.4 to 39.5
+GiB; `GPU_MODELS` keeps the lowest such figure, rounded down (`--gpu`, or `--gpu-memory-gib`).
+vLLM's pool is `gpu_memory_utilization` times that same figure (`request_memory` in
+vllm/v1/worker/utils.py).
+
+Inside vLLM's pool not everything is KV cache: at start-up vLLM runs a profiling forward of
+`max_num_batched_tokens` tokens and its sampler on `max_num_seqs` rows, and subtracts the peak of
+that run from the pool (`Worker.determine_available_memory` in vllm/v1/worker/gpu_worker.py, vLLM
+0.32: KV = pool - weights - non-torch memory - profiled activation peak - CUDA graph estimate).
+Without our setting them, vLLM picks 16384 tokens and 1024 sequences on H100/H200 and 8192 and 256
+on other GPUs (`EngineArgs.get_batch_defaults`, offline `LLM` class). `vllm_activation_peak` estimates
+that peak as the larger of (a) the forward: per token 2 bytes x (3f/TP + 4h), the SwiGLU's gate/up
+output and product and four hidden-size buffers, and (b) the sampler: 40 bytes per row and
+vocabulary entry (the logits gathered over TP in bf16 and fp32, sorting for top-p/top-k, softmax,
+noise), plus 4 for the log-probs our `processed_logprobs` mode keeps. (a) reproduces the 4.35 GiB
+vLLM 0.8.5 logged for Qwen2.5-7B at 32768 tokens (4.34), (b) the 1.19-1.24 GiB it logs for
+Llama-3.1-8B with 256 sequences (1.22); for Qwen's 152k vocabulary and 1024 sequences the sampler
+dominates: about 6.4 GiB, whatever the model size. Non-torch memory (NCCL, custom all-reduce: 0.1
+to 0.4 GiB in published logs) and the CUDA graph estimate also come out of the pool and are not
+modelled: the KV cache is that much smaller than shown. SGLang's `mem_fraction_static` holds
+weights and KV only; its activations run outside it, so for SGLang the same estimate is counted
+next to the pool instead of inside.
+
+Result buffers: the step gathers the generated rollouts (`experience.gather_samples`: one flat
+buffer per engine, token id + float32 log-prob = 8 bytes per response token, 4 per prompt token)
+over NCCL while the engine, KV pool included, is still awake; a rank holds the buffer being
+received and the previous one. The plan counts two engines' worth at full length next to the pool.
+
 The reserve (`--reserve-gib`) stands for what no formula here counts: the CUDA context, NCCL
 buffers, allocator fragmentation with varying micro-batch shapes, and small per-token inputs
 (position ids, labels, the per-token loss inputs: tens of bytes per token).
@@ -52,7 +83,7 @@ embedding when tied and PP > 1) and the final norm. The reference model (only bu
 
 Rollout engine: bf16 weights split over `rollout.tp` (KV heads are replicated when rollout.tp
 exceeds their number, as vLLM and SGLang do); KV cache per token = 2 (K, V) x layers x KV heads
-per GPU x head_dim x 2 B; KV pool = engine pool - weights.
+per GPU x head_dim x 2 B; KV pool = engine pool - weights - vLLM's profiled activation peak.
 
 Activations per token of a micro-batch (bf16, flash attention: no [seq x seq] scores, packed THD
 sequences, no dropout), per transformer layer, with s = TP under sequence parallelism else 1:
@@ -107,6 +138,8 @@ if TYPE_CHECKING:  # megatron_dapo.model imports torch: kept out of `megatron-da
 __all__ = [
     "ActorMemory",
     "ClusterShape",
+    "GPU_MODELS",
+    "GPUModel",
     "KNOWN_MODELS",
     "LOGPROB_CHUNK_TOKENS",
     "LayerParameters",
@@ -127,10 +160,13 @@ __all__ = [
     "output_activation_bytes_per_token",
     "plan_memory",
     "resolve_model",
+    "result_buffer_bytes",
     "rollout_weight_parameters",
     "run",
     "stage_activation_bytes",
     "stage_parameters",
+    "vllm_activation_peak",
+    "vllm_batch_defaults",
 ]
 
 GIB = float(2**30)
@@ -139,6 +175,32 @@ LOGPROB_CHUNK_TOKENS = 4096
 TOKEN_ID_BYTES = 8
 """int64 token ids kept per in-flight micro-batch on the first stage."""
 DEFAULT_RESERVE_GIB = 6.0
+VLLM_SAMPLER_BYTES_PER_LOGIT = 40
+"""Bytes per (row, vocabulary entry) at the peak of vLLM's profiled sampler run (calibrated, module doc)."""
+PROCESSED_LOGPROBS_BYTES_PER_LOGIT = 4
+"""The float32 log-softmax `logprobs_mode="processed_logprobs"` (rollout/vllm_engine.py) keeps besides."""
+RESULT_BYTES_PER_RESPONSE_TOKEN = 8
+"""`experience.pack_samples`: int32 token id + float32 log-prob per response token (4 per prompt token)."""
+
+
+@dataclass(frozen=True)
+class GPUModel:
+    """A GPU as software sees it."""
+
+    label: str
+    memory_gib: float
+    """`torch.cuda.get_device_properties(i).total_memory` in GiB: the lowest published figure, rounded down."""
+
+
+# Sources (module doc): PyTorch's "total capacity" in out-of-memory messages and vLLM's
+# "total_gpu_memory (...)" start-up line on these GPUs.
+GPU_MODELS: dict[str, GPUModel] = {
+    "h100": GPUModel("H100 80GB", 79.1),  # 79.10 (PyTorch) .. 79.25 (vLLM) GiB
+    "h200": GPUModel("H200 141GB", 139.8),  # 139.81 GiB (vLLM)
+    "a100-80gb": GPUModel("A100 80GB", 79.1),  # 79.15 .. 79.25 GiB
+    "a100-40gb": GPUModel("A100 40GB", 39.3),  # 39.38 .. 39.50 GiB
+}
+DEFAULT_GPU = "h100"
 
 # ---------------------------------------------------------------------------------------------
 # Known model shapes
@@ -350,6 +412,39 @@ def kv_cache_bytes_per_token(model: HFModelConfig, rollout_tp: int, dtype_bytes:
     return 2 * model.num_layers * _kv_heads_per_rank(model, rollout_tp) * model.head_dim * dtype_bytes
 
 
+def vllm_batch_defaults(gpu_memory_gib: float, gpu_name: str) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM picks for the offline `LLM` class on this GPU when
+    not told (vLLM 0.32 `EngineArgs.get_batch_defaults`: >= 70 GiB and not an A100 -> 16384 and 1024,
+    else 8192 and 256)."""
+    if gpu_memory_gib >= 70 and "a100" not in gpu_name.lower():
+        return 16384, 1024
+    return 8192, 256
+
+
+def vllm_activation_peak(
+    model: HFModelConfig, rollout_tp: int, max_num_batched_tokens: int, max_num_seqs: int, processed_logprobs: bool = True
+) -> float:
+    """Estimated peak of vLLM's start-up profiling run, which vLLM subtracts from its pool (module doc).
+
+    The larger of the forward over `max_num_batched_tokens` tokens, 2 bytes x (3f/TP + 4h) per token,
+    and the sampler over `max_num_seqs` rows of the full (TP-gathered) vocabulary,
+    `VLLM_SAMPLER_BYTES_PER_LOGIT` (+4 with processed log-probs) per entry.
+    """
+    h, f = model.hidden_size, model.ffn_hidden_size
+    forward = max_num_batched_tokens * 2 * (3 * f / rollout_tp + 4 * h)
+    per_logit = VLLM_SAMPLER_BYTES_PER_LOGIT + (PROCESSED_LOGPROBS_BYTES_PER_LOGIT if processed_logprobs else 0)
+    sampler = max_num_seqs * model.vocab_size * per_logit
+    return float(max(forward, sampler))
+
+
+def result_buffer_bytes(responses_per_engine: int, n: int, max_prompt_length: int, max_response_length: int) -> float:
+    """GPU bytes of the rollout gather while the engine is awake: two engines' flat result buffers (the one
+    being received and the previous one), every response at full length (`experience.pack_samples`)."""
+    prompts = math.ceil(responses_per_engine / n)
+    one = responses_per_engine * max_response_length * RESULT_BYTES_PER_RESPONSE_TOKEN + prompts * max_prompt_length * 4
+    return 2.0 * one
+
+
 # ---------------------------------------------------------------------------------------------
 # Actor state
 # ---------------------------------------------------------------------------------------------
@@ -537,7 +632,10 @@ def stage_activation_bytes(
 class ClusterShape:
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0
+    gpu_memory_gib: float = GPU_MODELS[DEFAULT_GPU].memory_gib
+    """What the GPU reports (`GPU_MODELS`), not its marketing size."""
+    gpu: str = DEFAULT_GPU
+    """A `GPU_MODELS` key or any name (vLLM's batch defaults depend on it: see `vllm_batch_defaults`)."""
 
     @property
     def world_size(self) -> int:
@@ -581,8 +679,16 @@ class RolloutMemory:
     kv_bytes_per_token: int
     pool: float
     """rollout.gpu_memory_utilization x GPU memory."""
+    activation_peak: float
+    """vLLM's profiled activation peak (`vllm_activation_peak`): inside the pool for vLLM, next to it for SGLang."""
+    activation_in_pool: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    """vLLM's batch defaults on this GPU, which size its profiling run."""
     kv_cache: float
-    """pool - weights."""
+    """pool - weights (- the activation peak when it is inside the pool)."""
+    result_buffers: float
+    """The rollout gather's GPU buffers while the engine is awake (`result_buffer_bytes`)."""
     full_sequence_tokens: int
     concurrent_full_sequences: int
     """Full-length sequences whose KV cache fits the pool at once, per engine."""
@@ -593,7 +699,7 @@ class RolloutMemory:
     actor_kept: float
     """Actor state + reference that stay on the fullest GPU while the engine generates."""
     generation_total: float
-    """Kept actor state + reference + pool + reserve."""
+    """Kept actor state + reference + pool + result buffers (+ SGLang's activations) + reserve."""
     sync_total: float
     """At the weight sync: params + kept state + reference + engine weights (the pool if the engine
     never sleeps) + weight-sync bucket + reserve."""
@@ -622,6 +728,7 @@ class MemoryPlan:
     gpus_per_node: int
     world_size: int
     gpu_memory: float
+    gpu: str
     reserve: float
     tp: int
     pp: int
@@ -699,8 +806,15 @@ def plan_memory(
     rollout_weights = rollout_weight_parameters(model, r.tp) * 2.0
     kv_per_token = kv_cache_bytes_per_token(model, r.tp)
     pool = r.gpu_memory_utilization * gpu
-    kv_cache = max(0.0, pool - rollout_weights)
+    batched_tokens, num_seqs = vllm_batch_defaults(cluster.gpu_memory_gib, cluster.gpu)
+    activation = vllm_activation_peak(model, r.tp, batched_tokens, num_seqs)
+    in_pool = r.engine != "sglang"  # vLLM subtracts it from its pool; SGLang's static fraction excludes it
+    engine_in_pool = rollout_weights + (activation if in_pool else 0.0)
+    kv_cache = max(0.0, pool - engine_in_pool)
     engines = world // r.tp
+    sequences_per_engine = math.ceil(t.gen_batch_size * r.n / engines)
+    results = result_buffer_bytes(sequences_per_engine, r.n, r.max_prompt_length, r.max_response_length)
+    beside_pool = results + (0.0 if in_pool else activation)  # allocated while the pool is awake
     engine_in_training = not r.free_cache_engine
 
     stages = []
@@ -757,17 +871,17 @@ def plan_memory(
     actor_kept = max(kept(s, offloaded) for s in stages)
     at_sync = max(kept(s, [k for k in offloaded if k != "params"]) for s in stages)  # the push reads the params
     engine_at_sync = rollout_weights if r.free_cache_engine else pool
-    generation_total = actor_kept + pool + reserve
+    generation_total = actor_kept + pool + beside_pool + reserve
     sync_total = at_sync + engine_at_sync + bucket + reserve
 
     def largest_utilization(away: list[str]) -> float:
-        room = gpu - max(kept(s, away) for s in stages) - reserve
+        room = gpu - max(kept(s, away) for s in stages) - beside_pool - reserve
         if not r.free_cache_engine:  # the pool is there during the sync too
             room = min(room, gpu - max(kept(s, [k for k in away if k != "params"]) for s in stages) - bucket - reserve)
         return max(0.0, room / gpu)
 
     def full_sequences(pool_bytes: float) -> int:
-        return int(max(0.0, pool_bytes - rollout_weights) // (kv_per_token * longest))
+        return int(max(0.0, pool_bytes - engine_in_pool) // (kv_per_token * longest))
 
     max_utilization = largest_utilization(offloaded)
     # Offloaded grads are dropped, not copied (their values are dead between updates): no host memory.
@@ -780,10 +894,15 @@ def plan_memory(
         weights=rollout_weights,
         kv_bytes_per_token=kv_per_token,
         pool=pool,
+        activation_peak=activation,
+        activation_in_pool=in_pool,
+        max_num_batched_tokens=batched_tokens,
+        max_num_seqs=num_seqs,
         kv_cache=kv_cache,
+        result_buffers=results,
         full_sequence_tokens=longest,
         concurrent_full_sequences=full_sequences(pool),
-        generation_sequences_per_engine=math.ceil(t.gen_batch_size * r.n / engines),
+        generation_sequences_per_engine=sequences_per_engine,
         offloaded=offloaded,
         actor_kept=actor_kept,
         generation_total=generation_total,
@@ -801,12 +920,20 @@ def plan_memory(
     notes = []
     if not p.use_distributed_optimizer:
         notes.append("parallel.use_distributed_optimizer=false: every rank keeps all optimizer state")
-    if pool <= rollout_weights:
-        notes.append("the rollout pool cannot even hold the engine weights: raise rollout.gpu_memory_utilization or rollout.tp")
+    if pool <= engine_in_pool:
+        notes.append(
+            "the rollout pool cannot even hold the engine weights and vLLM's profiled activations: raise "
+            "rollout.gpu_memory_utilization or rollout.tp"
+        )
     if rollout.concurrent_full_sequences < 1:
         notes.append("the KV pool holds no full-length sequence: raise rollout.gpu_memory_utilization or rollout.tp")
     if r.engine == "embedded":
-        notes.append("rollout.engine=embedded has no memory pool: the rollout figures are those of a vLLM/SGLang engine")
+        notes.append("rollout.engine=embedded has no memory pool: the rollout figures are those of a vLLM engine")
+    if r.engine == "sglang":
+        notes.append(
+            "rollout.engine=sglang: its activations live outside mem_fraction_static (counted next to the pool, "
+            "with vLLM's estimate of them)"
+        )
     if cfg.model.transformer_engine == "off":
         notes.append(
             "model.transformer_engine=off: the local layer spec runs right-padded rows (no packing), so a "
@@ -833,6 +960,7 @@ def plan_memory(
         gpus_per_node=cluster.gpus_per_node,
         world_size=world,
         gpu_memory=gpu,
+        gpu=cluster.gpu,
         reserve=reserve,
         tp=p.tp,
         pp=p.pp,
@@ -877,6 +1005,11 @@ def _row(label: str, *values: str) -> str:
     return (f"  {label:<54}" + "".join(f"{v:>18}" for v in values)).rstrip()
 
 
+def _gpu_label(name: str) -> str:
+    model = GPU_MODELS.get(name.lower())
+    return f"{model.label} as reported" if model else name
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a readable table (what `megatron-dapo plan` prints)."""
     s = plan.stages[plan.binding_stage]
@@ -886,7 +1019,7 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"memory plan: {plan.model_name or plan.architecture} ({plan.architecture}, {plan.hf_parameters / 1e9:.2f}B "
         f"parameters) on {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {plan.world_size}, "
-        f"{plan.gpu_memory / GIB:.1f} GiB per GPU, reserve {plan.reserve / GIB:.1f} GiB",
+        f"{plan.gpu_memory / GIB:.1f} GiB per GPU ({_gpu_label(plan.gpu)}), reserve {plan.reserve / GIB:.1f} GiB",
         f"layout: TP={plan.tp} PP={plan.pp}" + (f" VPP={plan.vpp}" if plan.vpp else "") + f" CP={plan.cp} "
         f"DP={plan.dp}; sequence parallel {on(plan.sequence_parallel)}, distributed optimizer "
         f"{on(plan.distributed_optimizer)}, full recompute {on(plan.recompute)}; {plan.dtype}",
@@ -912,9 +1045,15 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("  weights (bf16)", _gib(r.weights)),
         _row("  KV cache per token", f"{r.kv_bytes_per_token / 1024:8.1f} KiB"),
         _row("  pool (gpu_memory_utilization x GPU)", _gib(r.pool)),
-        _row("  KV cache (pool - weights)", _gib(r.kv_cache)),
+        _row(
+            f"  profiled activation peak ({r.max_num_batched_tokens} tokens, {r.max_num_seqs} seqs)",
+            _gib(r.activation_peak),
+            "in the pool" if r.activation_in_pool else "beside the pool",
+        ),
+        _row("  KV cache (pool - weights" + (" - activation peak)" if r.activation_in_pool else ")"), _gib(r.kv_cache)),
         _row(f"  full-length sequences ({r.full_sequence_tokens} tokens) at once", f"{r.concurrent_full_sequences:>12} / engine"),
         _row("  sequences per generation batch", f"{r.generation_sequences_per_engine:>12} / engine"),
+        _row("  result buffers while generating (gathered rollouts)", _gib(r.result_buffers)),
         "",
         _row("actor offload while generating (actor.offload_*)", ", ".join(r.offloaded) or "none"),
         _row("  actor state kept on the GPU (+ reference)", _gib(r.actor_kept)),
@@ -935,7 +1074,7 @@ def format_plan(plan: MemoryPlan) -> str:
         _row(f"  at the config's budget ({plan.micro_batch_tokens} tokens)", _gib(s.activation_at_budget)),
         "",
         _row("phase totals (fullest GPU, reserve included)", "total", "fits"),
-        _row("  generation: actor state kept + ref + engine pool", _gib(r.generation_total), fits(r.generation_total)),
+        _row("  generation: kept actor state + ref + pool + results", _gib(r.generation_total), fits(r.generation_total)),
         _row(
             "  weight sync: params + kept + engine "
             + ("weights" if not plan.engine_pool_during_training else "pool")
@@ -986,7 +1125,21 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPU_MODELS),
+        type=str.lower,
+        default=DEFAULT_GPU,
+        help="the GPU model: its memory as torch reports it and vLLM's batch defaults on it (default h100: "
+        + ", ".join(f"{k} {v.memory_gib} GiB" for k, v in GPU_MODELS.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="memory of one GPU in GiB as torch.cuda.get_device_properties reports it (default: the --gpu figure)",
+    )
     parser.add_argument(
         "--reserve-gib",
         type=float,
@@ -1033,11 +1186,12 @@ def run(args: argparse.Namespace) -> int:
     if config_path is not None and "=" in config_path:  # only overrides, no file
         config_path, overrides = None, [config_path, *overrides]
     try:
-        if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gib <= 0 or args.reserve_gib < 0:
+        gpu_gib = GPU_MODELS[args.gpu].memory_gib if args.gpu_memory_gib is None else args.gpu_memory_gib
+        if args.nodes < 1 or args.gpus_per_node < 1 or gpu_gib <= 0 or args.reserve_gib < 0:
             raise ConfigError("--nodes and --gpus-per-node must be >= 1, --gpu-memory-gib > 0, --reserve-gib >= 0")
         cfg = load_config(config_path, overrides)
         name, model = resolve_model(cfg, args.model)
-        cluster = ClusterShape(args.nodes, args.gpus_per_node, args.gpu_memory_gib)
+        cluster = ClusterShape(args.nodes, args.gpus_per_node, gpu_gib, args.gpu)
         plan = plan_memory(cfg, model, cluster, reserve_gib=args.reserve_gib, model_name=name)
     except (ConfigError, UnsupportedModelError) as exc:
         print(f"plan error: {exc}", file=sys.stderr)

@@ -10,6 +10,8 @@
 * Megatron-Core: the parameters each rank of a real `GPTModel` holds at TP=2 x PP=2 and PP=2 x VPP=2
   (4 processes, gloo), stage by stage.
 * The parameter counts published for the public models of the built-in table.
+* vLLM: its batch defaults (the installed source), the activation peak its start-up profiling logs
+  for published configurations, and the GPU capacities torch and vLLM report.
 """
 
 from __future__ import annotations
@@ -479,17 +481,21 @@ def test_offload_frees_the_actor_state_for_the_engine_pool():
     gpu, reserve, bucket = resident.gpu_memory, resident.reserve, 512 * 2**20
     actor = resident.stages[0].actor
     r, o = resident.rollout, offloaded.rollout
+    results = r.result_buffers  # the gathered rollouts, next to the awake pool
+    assert results == o.result_buffers > 0
     # Resident: the whole actor next to the pool while generating; at the sync the KV cache sleeps.
     assert r.offloaded == [] and r.actor_kept == actor.total
-    assert r.generation_total == pytest.approx(actor.total + r.pool + reserve)
+    assert r.generation_total == pytest.approx(actor.total + r.pool + results + reserve)
     assert r.sync_total == pytest.approx(actor.total + r.weights + bucket + reserve)
-    assert r.max_gpu_memory_utilization == pytest.approx((gpu - actor.total - reserve) / gpu)
+    assert r.max_gpu_memory_utilization == pytest.approx((gpu - actor.total - results - reserve) / gpu)
     assert r.host_per_gpu == 0  # level 2: the sleeping engine keeps nothing in host memory
     # Offloaded: nothing of the actor while generating, only its params during the sync.
     assert o.offloaded == ["params", "grads", "optimizer"] and o.actor_kept == 0
-    assert o.generation_total == pytest.approx(o.pool + reserve)
+    assert o.generation_total == pytest.approx(o.pool + results + reserve)
     assert o.sync_total == pytest.approx(actor.params + o.weights + bucket + reserve)
-    assert o.max_gpu_memory_utilization == o.max_gpu_memory_utilization_offloaded == pytest.approx((gpu - reserve) / gpu)
+    assert o.max_gpu_memory_utilization == o.max_gpu_memory_utilization_offloaded == pytest.approx(
+        (gpu - results - reserve) / gpu
+    )
     assert o.max_gpu_memory_utilization_resident == pytest.approx(r.max_gpu_memory_utilization)
     # grads are dropped, not copied: host memory holds params and optimizer state only
     host = actor.total - actor.grads
@@ -499,7 +505,8 @@ def test_offload_frees_the_actor_state_for_the_engine_pool():
     assert o.concurrent_full_sequences == r.concurrent_full_sequences
     # The larger pool that offload allows holds more full-length sequences.
     per_sequence = o.kv_bytes_per_token * o.full_sequence_tokens
-    assert o.concurrent_full_sequences_at_max == int((o.max_gpu_memory_utilization * gpu - o.weights) // per_sequence)
+    in_pool = o.weights + o.activation_peak  # vLLM: its profiled activations come out of the pool too
+    assert o.concurrent_full_sequences_at_max == int((o.max_gpu_memory_utilization * gpu - in_pool) // per_sequence)
     assert o.concurrent_full_sequences_at_max > r.concurrent_full_sequences_at_max
 
 
@@ -525,8 +532,13 @@ def test_offload_table_lines():
     assert "actor offload while generating (actor.offload_*)" in table and "params, grads, optimizer" in table
     assert "host memory, pinned (per GPU, per node)" in table
     assert "weight sync: params + kept + engine weights + bucket" in table
-    assert "largest rollout.gpu_memory_utilization: 0.92 with this offload (" in table  # (80 - 6) / 80 = 0.925, rounded down
-    assert "with the actor resident, 0.92 with params, grads and optimizer offloaded" in table
+    # (79.1 GiB - 6 reserve - 0.94 gathered results) / 79.1 = 0.912, rounded down
+    assert "largest rollout.gpu_memory_utilization: 0.91 with this offload (" in table
+    assert "with the actor resident, 0.91 with params, grads and optimizer offloaded" in table
+    assert "79.1 GiB per GPU (H100 80GB as reported)" in table
+    assert "profiled activation peak (16384 tokens, 1024 seqs)" in table and "in the pool" in table
+    assert "KV cache (pool - weights - activation peak)" in table
+    assert "result buffers while generating (gathered rollouts)" in table
 
 
 def test_plan_without_transformer_engine_counts_the_unfused_swiglu():
@@ -611,3 +623,96 @@ def test_tools_script_runs_from_a_checkout():
     assert result.returncode == 0, result.stderr
     assert "memory plan: qwen2.5-0.5b" in result.stdout
     assert int(result.stdout.split("largest trainer.max_tokens_per_micro_batch: ")[1].split()[0]) > 22528
+
+
+# ---------------------------------------------------------------------------------------------
+# What the GPU reports, what vLLM takes from its pool, what the step holds next to it
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gpu_capacity_is_what_torch_reports_not_the_marketing_size():
+    """The table keeps the lowest published `total_memory` of each GPU (module doc: PyTorch's
+    "total capacity of 79.10 GiB" on an H100 80GB, vLLM's "total_gpu_memory (79.11GiB)".."(79.25GiB)",
+    H200 "(139.81GiB)"); the default cluster is H100s and the CLI takes --gpu or --gpu-memory-gib."""
+    assert {k: v.memory_gib for k, v in mp.GPU_MODELS.items()} == {
+        "h100": 79.1, "h200": 139.8, "a100-80gb": 79.1, "a100-40gb": 39.3,
+    }  # fmt: skip
+    for model in mp.GPU_MODELS.values():
+        marketed = float(model.label.split()[-1].removesuffix("GB"))
+        assert marketed - 1.3 < model.memory_gib < marketed  # what the driver leaves of the size on the box
+    assert mp.ClusterShape().gpu_memory_bytes == pytest.approx(79.1 * mp.GIB)
+    default = plan_for([])
+    h200 = mp.plan_memory(load_config(None, []), known("qwen2.5-7b"), mp.ClusterShape(2, 8, 139.8, "h200"))
+    assert h200.gpu_memory == pytest.approx(139.8 * mp.GIB) and h200.rollout.pool > default.rollout.pool
+
+
+def test_cli_gpu_choice(capsys):
+    mp.main(["--model", "qwen2.5-7b", "--nodes", "2", "--json", "parallel.tp=4", "--gpu", "h200"])
+    assert json.loads(capsys.readouterr().out)["gpu_memory"] == pytest.approx(139.8 * mp.GIB)
+    mp.main(["--model", "qwen2.5-7b", "--nodes", "2", "--json", "parallel.tp=4", "--gpu-memory-gib", "78"])
+    assert json.loads(capsys.readouterr().out)["gpu_memory"] == pytest.approx(78 * mp.GIB)
+    mp.main(["--model", "qwen2.5-7b", "--nodes", "2", "parallel.tp=4"])
+    assert "79.1 GiB per GPU (H100 80GB as reported)" in capsys.readouterr().out
+
+
+def test_vllm_batch_defaults_follow_vllm():
+    """Contract with vLLM's `EngineArgs.get_batch_defaults` (installed vLLM's source, when present):
+    the offline LLM class gets 16384 tokens / 1024 sequences on >= 70 GiB GPUs other than the A100,
+    8192 / 256 elsewhere."""
+    assert mp.vllm_batch_defaults(79.1, "h100") == (16384, 1024)
+    assert mp.vllm_batch_defaults(139.8, "h200") == (16384, 1024)
+    assert mp.vllm_batch_defaults(79.1, "a100-80gb") == (8192, 256)
+    assert mp.vllm_batch_defaults(39.3, "a100-40gb") == (8192, 256)
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vLLM is not installed: the source contract is checked where it is")
+    source = (Path(spec.origin).parent / "engine" / "arg_utils.py").read_text()
+    branch = source[source.index("elif device_memory >= 70 * GiB_bytes and \"a100\" not in device_name:"):]
+    branch = branch[: branch.index("else:")]
+    assert "UsageContext.LLM_CLASS: 16384" in branch and "UsageContext.LLM_CLASS: 1024" in branch
+    fallback = source[source.index("# TODO(woosuk): Tune the default values for other hardware."):][:400]
+    assert "UsageContext.LLM_CLASS: 8192" in fallback and "UsageContext.LLM_CLASS: 256" in fallback
+
+
+def test_vllm_activation_peak_reproduces_published_profiles():
+    """The estimate against vLLM's own start-up lines ("PyTorch activation peak memory takes ..."):
+    Qwen2.5-7B, TP=1, 32768 profiled tokens, 256 sequences: 4.35 GiB (forward-bound); Llama-3.1-8B,
+    TP=1, 8192 tokens, 256 sequences, default raw log-probs: 1.19-1.24 GiB (sampler-bound)."""
+    qwen = mp.vllm_activation_peak(known("qwen2.5-7b"), 1, 32768, 256, processed_logprobs=False)
+    assert qwen / mp.GIB == pytest.approx(4.35, abs=0.05)
+    llama = mp.vllm_activation_peak(known("llama-3.1-8b"), 1, 8192, 256, processed_logprobs=False)
+    assert 1.19 <= llama / mp.GIB <= 1.24
+    # The recipes' engines: H100 defaults, Qwen's 152k vocabulary, processed log-probs: the sampler run
+    # over 1024 rows dominates at any model size and TP.
+    for name, tp in (("qwen2.5-7b", 2), ("qwen2.5-32b", 8)):
+        peak = mp.vllm_activation_peak(known(name), tp, 16384, 1024)
+        assert peak == 1024 * 152064 * 44
+
+
+def test_kv_cache_is_the_pool_minus_weights_and_vllm_activations():
+    plan = plan_for(["parallel.tp=4", "rollout.tp=2", "rollout.engine=vllm"])
+    r = plan.rollout
+    assert (r.max_num_batched_tokens, r.max_num_seqs) == (16384, 1024) and r.activation_in_pool
+    assert r.activation_peak == mp.vllm_activation_peak(known("qwen2.5-7b"), 2, 16384, 1024)
+    assert r.kv_cache == pytest.approx(r.pool - r.weights - r.activation_peak)
+    assert r.concurrent_full_sequences == int(r.kv_cache // (r.kv_bytes_per_token * r.full_sequence_tokens))
+    # SGLang's static fraction holds weights and KV only: the activations are next to the pool.
+    sglang = plan_for(["parallel.tp=4", "rollout.tp=2", "rollout.engine=sglang"])
+    g = sglang.rollout
+    assert not g.activation_in_pool and g.kv_cache == pytest.approx(g.pool - g.weights)
+    assert g.generation_total - r.generation_total == pytest.approx(r.activation_peak)
+    assert any("sglang" in note for note in sglang.notes)
+
+
+def test_result_buffers_are_two_engines_of_gathered_rollouts():
+    """`experience.pack_samples`: 8 bytes per response token, 4 per prompt token; a rank holds the buffer
+    it receives and the previous one (tensor_gather.share_from_contributors)."""
+    plan = plan_for(["parallel.tp=4", "rollout.tp=2", "trainer.gen_batch_size=64", "trainer.train_batch_size=64", "rollout.n=16",
+                     "rollout.max_prompt_length=1024", "rollout.max_response_length=8192"])  # fmt: skip
+    r = plan.rollout
+    assert r.engines == 8 and r.generation_sequences_per_engine == 64 * 16 // 8
+    one_engine = 128 * 8192 * 8 + 8 * 1024 * 4  # 128 responses of 8 prompts
+    assert r.result_buffers == 2 * one_engine
+    assert r.generation_total == pytest.approx(r.actor_kept + r.pool + r.result_buffers + plan.reserve)

@@ -1,5 +1,6 @@
 """The Qwen2.5-7B and Qwen2.5-32B DAPO recipes: they load, fit the world they are written for,
-carry the paper's settings, and fit 80 GB GPUs by the memory planner (whose figures their comments quote)."""
+carry the paper's settings, require Transformer Engine, and fit H100 80GB GPUs (79.1 GiB as torch
+reports them) by the memory planner, whose figures their comments quote."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def test_recipe_fits_its_world(name):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_fits_80gb_gpus_and_quotes_the_planner(name):
+def test_recipe_fits_h100_gpus_and_quotes_the_planner(name):
     model_name, nodes = RECIPES[name]
     cfg = load_config(CONFIGS / name)
     plan = mp.plan_memory(cfg, mp.known_model(model_name), mp.ClusterShape(nodes=nodes), model_name=model_name)
@@ -105,14 +106,18 @@ def test_recipe_fits_80gb_gpus_and_quotes_the_planner(name):
     stage = plan.stages[plan.binding_stage]
     d, n = stage.actor_distributed_optimizer, stage.actor_plain_optimizer
     r = plan.rollout
+    assert plan.gpu_memory == pytest.approx(79.1 * mp.GIB)  # an H100 80GB as torch reports it
     expected_lines = [
+        "79.1 GiB per GPU: what an H100 80GB reports; 6 GiB reserve",
         f"{d.total / mp.GIB:.2f} GiB / {n.total / mp.GIB:.2f} GiB",
+        f"rollout: weights {r.weights / mp.GIB:.2f} GiB, activation peak {r.activation_peak / mp.GIB:.2f} GiB (in the pool)",
         f"KV pool {r.kv_cache / mp.GIB:.2f} GiB ({r.concurrent_full_sequences} full-length",
+        f"result buffers {r.result_buffers / mp.GIB:.2f} GiB",
         f"{stage.activation_per_token_no_recompute / 1024:.1f} KiB (no recompute), "
         f"{stage.activation_per_token_full_recompute / 1024:.1f} KiB (full recompute)",
         f"{r.phase_total / mp.GIB:.2f} GiB   fits",
-        f"generation:  kept actor state (none) + pool + reserve         {r.generation_total / mp.GIB:.2f} GiB   fits",
-        f"weight sync: params + engine weights + bucket + reserve       {r.sync_total / mp.GIB:.2f} GiB   fits",
+        f"generation:  kept actor state (none) + pool + results + reserve   {r.generation_total / mp.GIB:.2f} GiB   fits",
+        f"weight sync: params + engine weights + bucket + reserve           {r.sync_total / mp.GIB:.2f} GiB   fits",
         f"{max(s.training_total for s in plan.stages) / mp.GIB:.2f} GiB   fits",
         f"host memory {r.host_per_gpu / mp.GIB:.2f} GiB per GPU, {r.host_per_node / mp.GIB:.2f} GiB per node",
         f"largest rollout.gpu_memory_utilization: {mp._down(r.max_gpu_memory_utilization)} with this offload "
@@ -121,6 +126,17 @@ def test_recipe_fits_80gb_gpus_and_quotes_the_planner(name):
     ]
     for line in expected_lines:
         assert line in text, line
+    # Every "N GiB per GPU, M GiB per node" of host memory the header quotes is the planner's.
+    for per_gpu, per_node in re.findall(r"([\d.]+) GiB per GPU, ([\d.]+) GiB per node", text):
+        assert (per_gpu, per_node) == (f"{r.host_per_gpu / mp.GIB:.2f}", f"{r.host_per_node / mp.GIB:.2f}")
+    # ... and the utilisation the rollout section names as the planner's limit.
+    assert f"(planner: at most {mp._down(r.max_gpu_memory_utilization)})" in text
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_requires_transformer_engine(name):
+    """The plan assumes TE's fused kernels and packed micro-batches: a recipe must not quietly run without."""
+    assert load_config(CONFIGS / name).model.transformer_engine == "on"
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

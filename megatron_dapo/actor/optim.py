@@ -47,6 +47,7 @@ import torch
 from megatron_dapo.model.builder import mark_tensor_parallel_weights as ensure_tensor_parallel_attributes
 
 __all__ = [
+    "announce_gradient_options",
     "build_optimizer",
     "ensure_tensor_parallel_attributes",
     "build_scheduler",
@@ -54,6 +55,7 @@ __all__ = [
     "megatron_optimizer_config",
     "prepare_for_training",
     "prepare_transformer_config",
+    "resolve_overlap_grad_reduce",
 ]
 
 
@@ -91,14 +93,26 @@ def prepare_transformer_config(config: Any, pipeline_parallel_size: int, model_c
         config.batch_p2p_comm = False
 
 
+def resolve_overlap_grad_reduce(overlap_grad_reduce: Optional[bool], device: torch.device) -> bool:
+    """``overlap_grad_reduce`` for models on ``device``: None decides (on with CUDA, `gpu_kernels.gradient_options`)."""
+    from megatron_dapo.model.gpu_kernels import gradient_options
+
+    return gradient_options(device.type, False, False, overlap_grad_reduce=overlap_grad_reduce).overlap_grad_reduce
+
+
 def prepare_for_training(
     models: Sequence[torch.nn.Module],
     use_distributed_optimizer: bool,
-    overlap_grad_reduce: bool = False,
+    overlap_grad_reduce: Optional[bool] = None,
 ) -> list[torch.nn.Module]:
     """Set the per-token-loss flags on the models' config and wrap every chunk in Megatron DDP.
 
     Must run before the optimizer is built (the optimizer reads the DDP gradient buffers).
+    ``overlap_grad_reduce``: None decides from the models' device (on with CUDA). When on, the
+    schedules get Megatron's hooks as its own trainer sets them (``training.py``, with its default
+    ``align_grad_reduce``): ``no_sync_func`` keeps every micro-batch but the last from reducing, and
+    ``grad_sync_func`` lets the pipeline schedules start a chunk's reduction when its last backward
+    is done; ``finalize_model_grads`` then waits for the reductions (``finish_grad_sync``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -111,6 +125,7 @@ def prepare_for_training(
     config.calculate_per_token_loss = True  # BEFORE DDP: makes it sum gradients (module doc)
     config.finalize_model_grads_func = finalize_grads_without_scaling
     prepare_transformer_config(config, ps.get_pipeline_model_parallel_world_size(), len(models))
+    overlap_grad_reduce = resolve_overlap_grad_reduce(overlap_grad_reduce, next(models[0].parameters()).device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -130,7 +145,27 @@ def prepare_for_training(
     if overlap_grad_reduce:
         no_sync = [m.no_sync for m in wrapped]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        grad_sync = [m.start_grad_sync for m in wrapped]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
     return wrapped
+
+
+def announce_gradient_options(wrapped: Sequence[torch.nn.Module]) -> str:
+    """Print (once, rank 0) how gradients are reduced and accumulated, as DDP and the layers were built."""
+    from megatron_dapo.model.builder import announce_once
+    from megatron_dapo.model.gpu_kernels import apex_fused_wgrad_status, gradient_options, transformer_engine_status
+
+    device = next(wrapped[0].parameters()).device
+    cuda = device.type == "cuda"
+    decided = gradient_options(
+        device.type,
+        cuda and transformer_engine_status().available,
+        cuda and apex_fused_wgrad_status().available,
+        overlap_grad_reduce=bool(wrapped[0].ddp_config.overlap_grad_reduce),
+        gradient_accumulation_fusion=bool(wrapped[0].config.gradient_accumulation_fusion),
+    )
+    announce_once(decided.describe())
+    return decided.describe()
 
 
 def megatron_optimizer_config(optimizer_cfg: Any, dtype: torch.dtype, use_distributed_optimizer: bool):

@@ -51,6 +51,7 @@ from megatron_dapo.actor.objective import (
     summarise,
 )
 from megatron_dapo.actor.optim import (
+    announce_gradient_options,
     build_optimizer,
     build_scheduler,
     prepare_for_training,
@@ -372,15 +373,23 @@ class MegatronActor(ReferenceModel):
         return metrics
 
 
-def build_actor(cfg: Any, models: Sequence[torch.nn.Module], vocab_size: int, sft: bool = False) -> MegatronActor:
+def build_actor(
+    cfg: Any,
+    models: Sequence[torch.nn.Module],
+    vocab_size: int,
+    sft: bool = False,
+    overlap_grad_reduce: Optional[bool] = None,
+) -> MegatronActor:
     """Wrap this rank's model chunks in Megatron DDP and build the optimizer and LR schedule.
 
     ``cfg`` is a `config.Config`; ``vocab_size`` the HF model's vocabulary (before Megatron's padding).
     ``sft``: train with the cross-entropy of the response tokens (supervised warm start) instead of
     the policy loss; log-probs are then of the plain softmax (temperature 1).
+    ``overlap_grad_reduce``: None decides from the device (`gpu_kernels.gradient_options`: on with CUDA).
     """
     use_distributed_optimizer = cfg.parallel.use_distributed_optimizer
-    wrapped = prepare_for_training(models, use_distributed_optimizer)
+    wrapped = prepare_for_training(models, use_distributed_optimizer, overlap_grad_reduce)
+    announce_gradient_options(wrapped)
     optimizer = build_optimizer(wrapped, cfg.optimizer, use_distributed_optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.trainer.total_steps)
     settings = ForwardSettings.from_config(cfg, vocab_size)

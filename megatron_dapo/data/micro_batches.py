@@ -16,8 +16,15 @@ When packing is possible (Megatron-Core 0.16, checked in its source):
   ``DotProductAttention`` (``megatron/core/transformer/dot_product_attention.py``) asserts
   ``packed_seq_params is None`` ("Packed sequence is not supported by DotProductAttention"), so the
   local spec (the CPU path, no TE) must use the padded variant.
-* ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` reach TE only for TE >= 1.10; older TE drops them,
-  so per-sequence padding (``pad_to_multiple_of > 1``) needs TE >= 1.10.
+* The offsets given to attention are the padded slot boundaries, for ``cu_seqlens_q/kv`` and
+  ``cu_seqlens_q/kv_padded`` alike and as one tensor object, as Megatron-LM's data schedule
+  (``megatron/core/datasets/data_schedule.py``, "Transformer Engine has a bug of cu_seqlens") and
+  verl's ``preprocess_packed_seqs`` do. It is exact here: a sequence's padding follows it inside its
+  slot, so under the causal mask no real token attends to padding, and the padding's outputs are
+  never read (loss mask 0). Passing the same object also keeps TE's ``pad_between_seqs``
+  auto-detection False (it compares ``cu_seqlens_q_padded is cu_seqlens_q``), so the FlashAttention
+  backends stay eligible; separate real offsets would make TE treat the batch as padded between
+  sequences. TE < 1.10 drops the ``_padded`` fields, which is harmless with equal offsets.
 * Context parallelism with THD splits every sequence into ``2 * cp`` pieces
   (``tex.thd_get_partitioned_indices``, TE >= 1.10): pad each sequence to a multiple of ``2 * cp``
   (times ``tp`` with sequence parallelism, so the packed total also splits evenly across TP ranks).
@@ -340,16 +347,20 @@ class PackedBatch:
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
     def packed_seq_params(self):
-        """Megatron's ``PackedSeqParams`` for this batch (``qkv_format='thd'``; needs TE attention)."""
+        """Megatron's ``PackedSeqParams`` for this batch (``qkv_format='thd'``; needs TE attention).
+
+        Every offset field is ``cu_seqlens_padded`` (one object) and ``max_seqlen`` the longest slot:
+        see the module docstring for why the real offsets are not passed.
+        """
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        has_padding = not torch.equal(self.cu_seqlens, self.cu_seqlens_padded)
+        offsets = self.cu_seqlens_padded
         return PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens_padded if has_padding else None,
-            cu_seqlens_kv_padded=self.cu_seqlens_padded if has_padding else None,
+            cu_seqlens_q=offsets,
+            cu_seqlens_kv=offsets,
+            cu_seqlens_q_padded=offsets,
+            cu_seqlens_kv_padded=offsets,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )

@@ -6,8 +6,9 @@
 Call after `distributed.setup.init_distributed` (Megatron's parallel state must exist).
 
 Layer implementation: the Transformer Engine spec when TE is importable on a CUDA machine
-("auto"), required ("on") or never ("off"); otherwise Megatron's local spec with RMSNorm. TE is
-imported lazily and a broken TE install counts as "not available" under "auto".
+("auto"), required ("on": a missing or broken TE is a `TransformerEngineUnavailable` error naming
+the import error) or never ("off"); otherwise Megatron's local spec with RMSNorm. The choice and,
+under "auto", why TE was not used are printed once on rank 0 (`model/gpu_kernels.py`).
 
 Attention masks. Both specs build the causal mask themselves when given `attention_mask=None`
 (the local spec's `DotProductAttention` via `attn_mask_type=causal`; on the CPU the compat layer
@@ -24,16 +25,25 @@ the rotary module, so any llama3 parameters match HF exactly (the logits tests c
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Literal, Optional, Sequence
 
 import torch
 
 from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.model.gpu_kernels import (
+    KernelStatus,
+    TransformerEngineUnavailable,
+    apex_fused_wgrad_status,
+    describe_layer_choice,
+    gradient_options,
+    transformer_engine_status,
+)
+from megatron_dapo.model.gpu_kernels import resolve_transformer_engine as _resolve_te
 from megatron_dapo.model.hf_config import HFModelConfig
 from megatron_dapo.model.mapping import LOCAL_SPEC, TE_SPEC, padded_vocab_size
 
 __all__ = [
+    "announce_once",
     "attention_mask_for",
     "build_gpt_models",
     "build_transformer_config",
@@ -42,6 +52,7 @@ __all__ = [
     "layer_spec_of",
     "resolve_transformer_engine",
     "rope_inv_freq",
+    "TransformerEngineUnavailable",
     "transformer_engine_available",
     "unwrap_model",
 ]
@@ -50,35 +61,30 @@ TEMode = Literal["auto", "on", "off"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Transformer Engine detection
+# Transformer Engine detection (the probes and pure decisions live in model/gpu_kernels.py)
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
 def transformer_engine_available() -> bool:
     """True when TE's PyTorch API imports and CUDA is available (TE has no CPU kernels)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a broken install (missing .so, ABI mismatch) must not crash the run
-        return False
-    return True
+    return transformer_engine_status().available
 
 
 def resolve_transformer_engine(mode: TEMode = "auto") -> bool:
-    """Whether to use the TE layer spec for `model.transformer_engine` = auto / on / off."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"model.transformer_engine must be auto, on or off, got {mode!r}")
-    if mode == "off":
-        return False
-    available = transformer_engine_available()
-    if mode == "on" and not available:
-        raise RuntimeError(
-            "model.transformer_engine=on but Transformer Engine cannot be used here (needs CUDA and an importable "
-            "transformer_engine.pytorch): install transformer-engine[pytorch] or set model.transformer_engine=auto"
-        )
-    return available
+    """Whether to use the TE layer spec for `model.transformer_engine` = auto / on / off, on this machine."""
+    return _resolve_te(mode, transformer_engine_status())
+
+
+_announced: set[str] = set()
+
+
+def announce_once(line: str) -> None:
+    """Print a start-up line once per process, on the logging rank (actor and reference build alike)."""
+    from megatron_dapo.distributed.objects import is_logging_rank
+
+    if line not in _announced and is_logging_rank():
+        print(f"[megatron-dapo] {line}", flush=True)
+    _announced.add(line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +169,13 @@ def build_transformer_config(
     sequence_parallel: bool = False,
     init_weights: bool = True,
     recompute_activations: bool = False,
+    gradient_accumulation_fusion: bool = False,
 ):
-    """The Megatron `TransformerConfig` equivalent to the HF model, for this layout and dtype."""
+    """The Megatron `TransformerConfig` equivalent to the HF model, for this layout and dtype.
+
+    `gradient_accumulation_fusion` (apex's fused weight-gradient GEMM into DDP's ``main_grad``; see
+    `gpu_kernels.gradient_options`) is fixed when the layers are built, not when DDP wraps them.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
@@ -194,7 +205,7 @@ def build_transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=fused,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.megatron_vpp,
@@ -208,6 +219,9 @@ def build_transformer_config(
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if "cuda_graph_scope" in fields:
+        # The default "full" is deprecated (a UserWarning per config); an empty list is its equivalent.
+        kwargs["cuda_graph_scope"] = []
     if "transformer_impl" in fields:  # tells Megatron which implementation the spec uses
         kwargs["transformer_impl"] = "transformer_engine" if use_te else "local"
     return TransformerConfig(**kwargs)
@@ -247,12 +261,16 @@ def build_gpt_models(
     init_weights: bool = True,
     recompute_activations: bool = False,
     attention: Literal["sdpa", "megatron"] = "sdpa",
+    gradient_accumulation_fusion: Optional[bool] = None,
 ) -> list[torch.nn.Module]:
     """This rank's `GPTModel` chunks (one per virtual-pipeline stage, in order).
 
     `layout` must match Megatron's initialised parallel state. `init_weights=False` skips the
     random initialisation (for models about to be loaded from a checkpoint). `attention` picks the
     local spec's core attention: "sdpa" (PyTorch's fused kernels) or "megatron" (Megatron's own).
+    `gradient_accumulation_fusion`: None decides from the machine (on with CUDA and apex's fused
+    weight-gradient GEMM, `gpu_kernels.gradient_options`); a model built with it on must be trained
+    through Megatron DDP (`actor.optim.prepare_for_training`), which provides ``main_grad``.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -260,7 +278,17 @@ def build_gpt_models(
     actual = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
     if actual != (layout.tp, layout.pp):
         raise ValueError(f"layout tp={layout.tp}, pp={layout.pp} differs from Megatron's parallel state tp={actual[0]}, pp={actual[1]}")
-    use_te = resolve_transformer_engine(transformer_engine)
+    # "off" never imports TE: a broken install cannot get in the way of a run that does not want it.
+    te_status = transformer_engine_status() if transformer_engine != "off" else KernelStatus(False, "not probed")
+    use_te = _resolve_te(transformer_engine, te_status)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    announce_once(describe_layer_choice(transformer_engine, te_status, use_te, device_type))
+    fusion = gradient_options(
+        device_type,
+        te_status.available,
+        apex_fused_wgrad_status().available,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
+    ).gradient_accumulation_fusion
     config = build_transformer_config(
         cfg,
         layout,
@@ -269,6 +297,7 @@ def build_gpt_models(
         sequence_parallel=sequence_parallel,
         init_weights=init_weights,
         recompute_activations=recompute_activations,
+        gradient_accumulation_fusion=fusion,
     )
     if layout.cp > 1 and not use_te and attention != "sdpa":
         # Megatron's own DotProductAttention refuses CP; the SDPA core attention all-gathers K/V over CP.

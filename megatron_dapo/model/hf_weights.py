@@ -75,6 +75,15 @@ class HFWeightReader:
             raise KeyError(f"{name!r} is not in the checkpoint at {self.hf_dir}") from None
         return self._handle(filename).get_tensor(name)
 
+    def get_slice(self, name: str):
+        """One tensor as safetensors' lazy slice: ``.get_shape()``, and ``[index]`` (basic slices) reads only
+        those elements into a fresh CPU tensor. Read it before asking for a tensor of another shard file."""
+        try:
+            filename = self._file_of[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not in the checkpoint at {self.hf_dir}") from None
+        return self._handle(filename).get_slice(name)
+
     def iter_tensors(self, names: Optional[Iterable[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for `names` (default: all), grouped by shard so each file is opened once."""
         wanted = self.names() if names is None else list(names)

@@ -5,9 +5,12 @@
         ...
 
 Loading: each rank reads only the HF tensors of its own pipeline stage (its layers, plus the
-embedding on the first stage and the final norm / output layer on the last) and keeps only its
-tensor-parallel shard. Every parameter of the model must be written, or loading fails naming the
-ones that were not.
+embedding on the first stage and the final norm / output layer on the last), and of those only the
+part its tensor-parallel shard is made of (`rank_slices`, read through safetensors' `get_slice`):
+its query groups of q/k/v, its rows of gate and up, its columns of o_proj / down_proj, its rows of
+the vocabulary. The mapping row's own transform then fuses and pads those parts exactly as it does
+whole tensors, so a rank reads about 1/TP of the stage's bytes (norms, replicated, are read whole).
+Every parameter of the model must be written, or loading fails naming the ones that were not.
 
 Exporting: the mapping table's order (embedding, layers 0..L-1, final norm, output layer) is walked
 on every rank; the owning pipeline stage all-gathers the TP shards of one parameter, turns them
@@ -27,9 +30,91 @@ from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.builder import layer_spec_of, unwrap_model
 from megatron_dapo.model.hf_config import HFModelConfig, read_hf_config
 from megatron_dapo.model.hf_weights import HFWeightReader
-from megatron_dapo.model.mapping import Map, MappingTable, ModelShape, global_layer_index, layer_location
+from megatron_dapo.model.mapping import (
+    GATE_UP,
+    QKV_INTERLEAVED,
+    TP_SPLIT,
+    VOCAB_PAD,
+    Map,
+    MappingTable,
+    ModelShape,
+    global_layer_index,
+    layer_location,
+)
 
-__all__ = ["export_megatron_to_hf", "load_hf_into_megatron"]
+__all__ = ["export_megatron_to_hf", "load_hf_into_megatron", "rank_slices", "read_rank_shard"]
+
+Index = tuple[slice, ...]
+
+
+def _even_part(size: int, tp_rank: int, tp: int, what: str) -> slice:
+    if size % tp:
+        raise ValueError(f"{what} of size {size} cannot be split over {tp} tensor-parallel ranks")
+    per_rank = size // tp
+    return slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+
+def rank_slices(
+    row: Map, hf_shapes: Sequence[Sequence[int]], tp_rank: int, tp: int, shape: ModelShape
+) -> Optional[tuple[list[Index], ModelShape]]:
+    """The part of each HF tensor of `row` that TP rank `tp_rank` is made of, and the shape of those parts.
+
+    Returns (one index per HF tensor, in `row.hf` order; the `ModelShape` the parts form), such that
+    ``row.to_megatron_shard(parts, 0, 1, part_shape)`` equals ``row.to_megatron_shard(whole, tp_rank, tp,
+    shape)``, or None when the rank needs the whole tensors (TP=1, replicated rows, or a transform
+    without a slicing rule here). Pure: from shapes only.
+
+    QKV_INTERLEAVED: the rank's G/TP query groups, i.e. rows [lo*hpg*d, hi*hpg*d) of q and [lo*d, hi*d)
+    of k and v; GATE_UP: the rank's f/TP rows of gate and of up; TP_SPLIT: the rank's 1/TP along
+    `tp_dim`; VOCAB_PAD: the rank's rows of the padded vocabulary that exist in the checkpoint (possibly
+    none), zero-padded by the transform.
+    """
+    if tp == 1 or row.tp_dim is None:
+        return None
+    transform = row.transform
+    if transform is TP_SPLIT:
+        (hf_shape,) = hf_shapes
+        part = _even_part(hf_shape[row.tp_dim], tp_rank, tp, f"dimension {row.tp_dim}")
+        return [(slice(None),) * row.tp_dim + (part,)], shape
+    if transform is QKV_INTERLEAVED:
+        groups = _even_part(shape.num_query_groups, tp_rank, tp, "num_query_groups")
+        d, hpg = shape.head_dim, shape.heads_per_group
+        per_rank = groups.stop - groups.start
+        q = slice(groups.start * hpg * d, groups.stop * hpg * d)
+        kv = slice(groups.start * d, groups.stop * d)
+        part_shape = ModelShape(per_rank * hpg, per_rank, d, shape.vocab_size, shape.padded_vocab_size)
+        return [(q,), (kv,), (kv,)], part_shape
+    if transform is GATE_UP:
+        gate_shape, up_shape = hf_shapes
+        rows = _even_part(gate_shape[0], tp_rank, tp, "ffn_hidden_size")
+        if tuple(up_shape) != tuple(gate_shape):
+            raise ValueError(f"gate {tuple(gate_shape)} and up {tuple(up_shape)} projections differ in shape")
+        return [(rows,), (rows,)], shape
+    if transform is VOCAB_PAD:
+        (hf_shape,) = hf_shapes
+        if hf_shape[0] != shape.vocab_size:
+            raise ValueError(f"vocabulary tensor has {hf_shape[0]} rows, the config says vocab_size={shape.vocab_size}")
+        padded = _even_part(shape.padded_vocab_size, tp_rank, tp, "padded vocabulary")
+        start = min(padded.start, shape.vocab_size)
+        stop = min(padded.stop, shape.vocab_size)
+        per_rank = padded.stop - padded.start
+        part_shape = ModelShape(shape.num_attention_heads, shape.num_query_groups, shape.head_dim, stop - start, per_rank)
+        return [(slice(start, stop),)], part_shape
+    return None
+
+
+def read_rank_shard(
+    reader: HFWeightReader, row: Map, hf_names: Sequence[str], tp_rank: int, tp: int, shape: ModelShape
+) -> torch.Tensor:
+    """This TP rank's Megatron tensor of `row`, reading only its parts of the HF tensors (`rank_slices`)."""
+    hf_shapes = [tuple(reader.get_slice(name).get_shape()) for name in hf_names]
+    plan = rank_slices(row, hf_shapes, tp_rank, tp, shape)
+    if plan is None:
+        return row.to_megatron_shard([reader.get(name) for name in hf_names], tp_rank, tp, shape)
+    indices, part_shape = plan
+    # One tensor at a time: the reader keeps one shard file open, and a part is read as soon as it is sliced.
+    parts = [reader.get_slice(name)[index] for name, index in zip(hf_names, indices)]
+    return row.to_megatron_shard(parts, 0, 1, part_shape)
 
 
 def _parallel_ranks() -> tuple[int, int, int, int]:
@@ -80,12 +165,17 @@ def load_hf_into_megatron(
     models: Sequence[torch.nn.Module],
     hf_dir: Union[str, os.PathLike],
     hf_config: Optional[HFModelConfig] = None,
+    *,
+    sliced: bool = True,
+    reader: Optional[HFWeightReader] = None,
 ) -> int:
     """Copy this rank's share of the HF checkpoint in `hf_dir` into `models` (this rank's chunks).
 
     `models` may be wrapped (DDP, Float16Module); load before building the optimizer, which copies
     the parameters into its own main weights. Returns the number of parameters written. Raises if
     a parameter has no source, a source is missing from the checkpoint, or shapes disagree.
+    `sliced=False` reads whole HF tensors and slices them in memory (the reference the sliced reads
+    are tested against). `reader`: an open reader of `hf_dir` to use (default: one opened here).
     """
     models = [unwrap_model(m) for m in models]
     cfg = hf_config or read_hf_config(hf_dir)
@@ -94,7 +184,7 @@ def load_hf_into_megatron(
     vpp = _vpp(models)
     shape = ModelShape.from_hf(cfg, tp)
     written = 0
-    with HFWeightReader(hf_dir) as reader:
+    with reader if reader is not None else HFWeightReader(hf_dir) as reader:
         for chunk, model in enumerate(models):
             params = dict(model.named_parameters())
             covered = set()
@@ -105,7 +195,10 @@ def load_hf_into_megatron(
                 missing = [n for n in hf_names if n not in reader]
                 if missing:
                     raise KeyError(f"checkpoint {hf_dir} lacks {missing} (needed for {name})")
-                shard = row.to_megatron_shard([reader.get(n) for n in hf_names], tp_rank, tp, shape)
+                if sliced:
+                    shard = read_rank_shard(reader, row, hf_names, tp_rank, tp, shape)
+                else:
+                    shard = row.to_megatron_shard([reader.get(n) for n in hf_names], tp_rank, tp, shape)
                 param = params[name]
                 if tuple(shard.shape) != tuple(param.shape):
                     raise ValueError(f"{name}: shard from {hf_names} has shape {tuple(shard.shape)}, parameter has {tuple(param.shape)}")

@@ -110,8 +110,8 @@ def test_packed_micro_batch_alignment(pad_to_multiple_of):
     assert mb.input_ids.shape[0] == 1 and mb.attention_mask is None
     params = mb.packed_seq_params
     assert params.qkv_format == "thd"
-    assert params.cu_seqlens_q.tolist()[-1] == sum(batch.model_lengths()[i] for i in indices)
-    assert mb.computed_tokens == mb.input_ids.shape[1] and mb.real_tokens == params.cu_seqlens_q.tolist()[-1]
+    assert params.cu_seqlens_q.tolist()[-1] == mb.input_ids.shape[1] == mb.computed_tokens  # padded slot offsets
+    assert mb.real_tokens == sum(batch.model_lengths()[i] for i in indices)
 
 
 def test_zero_token_micro_batch():

@@ -218,8 +218,8 @@ def test_pack_sequences_layout():
     assert packed.lengths.tolist() == [3, 1, 5]
     assert packed.loss_mask.tolist() == [[1.0] * 9]
     params = packed.packed_seq_params()
-    assert params.qkv_format == "thd" and params.cu_seqlens_q_padded is None
-    assert torch.equal(params.cu_seqlens_kv, packed.cu_seqlens) and params.max_seqlen_q == 5
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 5
+    assert params.cu_seqlens_q.tolist() == [0, 3, 4, 9]  # no padding: the slot offsets are the real ones
 
 
 def test_pack_with_per_sequence_padding_and_loss_masks():
@@ -232,7 +232,8 @@ def test_pack_with_per_sequence_padding_and_loss_masks():
     assert packed.loss_mask.tolist() == [[0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]]
     assert packed.max_seqlen == 8
     params = packed.packed_seq_params()
-    assert torch.equal(params.cu_seqlens_q_padded, packed.cu_seqlens_padded)
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 4, 8, 16]  # slots, not [0, 3, 4, 9]
+    assert params.max_seqlen_q == params.max_seqlen_kv == 8
     # Round trip drops the padding slots.
     parts = unpack(packed.input_ids, packed.cu_seqlens, packed.cu_seqlens_padded)
     assert [p.tolist() for p in parts] == [s.tolist() for s in _sequences()]
@@ -279,3 +280,83 @@ def test_input_validation():
         pad_sequences([torch.zeros(2, 2)])
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         pack_sequences(_sequences(), pad_to_multiple_of=0)
+
+
+# ----------------------------------------------------------------------------- what TE attention gets
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [1, 4])
+def test_packed_seq_params_pass_the_padded_offsets_for_q_and_kv_as_one_object(pad_to_multiple_of):
+    """Every offset field is the slot boundaries (one tensor object), as Megatron-LM's data schedule and
+    verl's preprocess_packed_seqs pass them; the real offsets stay on the batch for `unpack`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    packed = pack_sequences(_sequences(), pad_to_multiple_of=pad_to_multiple_of)
+    params = packed.packed_seq_params()
+    assert isinstance(params, PackedSeqParams)
+    offsets = packed.cu_seqlens_padded
+    for field in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        assert getattr(params, field) is offsets, field
+    assert offsets.dtype == torch.int32 and offsets.tolist()[-1] == packed.input_ids.shape[1]
+    assert params.max_seqlen_q == params.max_seqlen_kv == max((offsets[1:] - offsets[:-1]).tolist())
+
+
+def _te_pad_between_seqs(params) -> bool:
+    """Transformer Engine's auto-detection of padding between packed sequences (thd), transcribed from
+    transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py of
+    NVIDIA/TransformerEngine at d0067d0da6cb01811b8072a7d304f0e00344ce2b (DotProductAttention.forward,
+    ``pad_between_seqs=None``). True disables FlashAttention 2/4 and the unfused backend."""
+    if params.cu_seqlens_q_padded is params.cu_seqlens_q and params.cu_seqlens_kv_padded is params.cu_seqlens_kv:
+        return False
+    return params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
+
+
+def test_contract_megatron_hands_the_fields_to_te_unchanged_and_te_sees_no_padding_between_sequences():
+    """Megatron-Core (installed: 0.16.1) forwards PackedSeqParams' fields to TE by getattr (the same
+    objects) and rotates THD queries/keys with the padded offsets; TE then sees no padding between
+    sequences. The previous form (real offsets next to padded ones) would have, with FlashAttention
+    ruled out."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    fields = {f.name for f in dataclasses.fields(PackedSeqParams)}
+    assert {"qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+            "max_seqlen_q", "max_seqlen_kv"} <= fields  # fmt: skip
+    core = Path(importlib.util.find_spec("megatron.core").origin).parent
+    te_wrapper = (core / "extensions" / "transformer_engine.py").read_text()
+    assert "field.name for field in dataclasses.fields(PackedSeqParams)" in te_wrapper  # every field is kept ...
+    assert "{key: getattr(packed_seq_params, key) for key in self.kept_packed_seq_params}" in te_wrapper  # ... as is
+    attention = (core / "transformer" / "attention.py").read_text()
+    assert "cu_seqlens_q = packed_seq_params.cu_seqlens_q_padded" in attention  # RoPE restarts per slot
+
+    padded = pack_sequences(_sequences(), pad_to_multiple_of=4)
+    assert _te_pad_between_seqs(padded.packed_seq_params()) is False
+    old_form = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=padded.cu_seqlens, cu_seqlens_kv=padded.cu_seqlens,
+        cu_seqlens_q_padded=padded.cu_seqlens_padded, cu_seqlens_kv_padded=padded.cu_seqlens_padded,
+        max_seqlen_q=padded.max_seqlen, max_seqlen_kv=padded.max_seqlen,
+    )  # fmt: skip
+    assert _te_pad_between_seqs(old_form) is True
+
+
+def test_attention_over_padded_slots_equals_attention_over_the_real_sequences():
+    """Why the padded offsets are exact: causal attention run per padded slot (what TE computes when the
+    slots are the sequences) gives every real token the output of attention over its own sequence."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 1, 5, 7, 2]
+    packed = pack_sequences([torch.zeros(n, dtype=torch.long) for n in lengths], pad_to_multiple_of=4)
+    heads, dim, total = 2, 8, packed.input_ids.shape[1]
+    q, k, v = (torch.randn(heads, total, dim, generator=gen, dtype=torch.float64) for _ in range(3))
+
+    def causal(qs, ks, vs):
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    offsets = packed.packed_seq_params().cu_seqlens_q.tolist()
+    per_slot = torch.cat([causal(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])], dim=1)
+    starts = packed.cu_seqlens_padded[:-1].tolist()
+    for start, n in zip(starts, lengths):
+        real = causal(q[:, start : start + n], k[:, start : start + n], v[:, start : start + n])
+        torch.testing.assert_close(per_slot[:, start : start + n], real, rtol=0, atol=1e-12)

@@ -1,4 +1,5 @@
-"""Builder helpers that need no process group: RoPE inverse frequencies vs HF, masks, TE selection."""
+"""Builder helpers that need no process group: RoPE inverse frequencies vs HF, masks (TE selection:
+test_gpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -51,14 +52,3 @@ def test_causal_attention_mask():
         [False, False, False, True],
         [False, False, False, False],
     ]
-
-
-def test_transformer_engine_selection_on_cpu():
-    builder.transformer_engine_available.cache_clear()
-    assert builder.resolve_transformer_engine("off") is False
-    if not torch.cuda.is_available():
-        assert builder.resolve_transformer_engine("auto") is False
-        with pytest.raises(RuntimeError, match="model.transformer_engine=on"):
-            builder.resolve_transformer_engine("on")
-    with pytest.raises(ValueError, match="auto, on or off"):
-        builder.resolve_transformer_engine("maybe")
