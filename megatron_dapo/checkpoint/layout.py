@@ -9,7 +9,9 @@ Pure Python (no torch): `find_latest` and friends work in any process, before an
       .tmp-step_00000060/         a save in progress, or one that crashed: never read
 
     step_00000050/
-      metadata.json               written LAST: its presence marks the checkpoint complete
+      metadata.json               written LAST: its presence marks the checkpoint complete; holds the
+                                  step, layout, optimizer format and every other file's size and
+                                  checksum ("files", see integrity.py)
       dist/                       Megatron distributed checkpoint (torch_dist): model, optimizer,
                                   scheduler (dist/metadata.json is Megatron's own format marker)
       rng/rank_00000.pt           per-rank RNG states (python, numpy, torch, CUDA, Megatron tracker)
@@ -19,7 +21,9 @@ Pure Python (no torch): `find_latest` and friends work in any process, before an
 A save writes everything into `.tmp-<name>`, then renames it to `<name>` and replaces `latest`
 (write a temporary file, then `os.replace`), so a crash at any point leaves the previous checkpoint
 and `latest` as they were. The pointer is the source of truth; scanning the step directories is
-the fallback when it is missing or names a directory that is gone.
+the fallback when it is missing, unreadable or names a directory that is gone or incomplete
+(`resume_candidates` says which, for the message; `core.load_latest_checkpoint` also passes over
+checkpoints whose files fail their checks).
 """
 
 from __future__ import annotations

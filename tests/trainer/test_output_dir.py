@@ -129,7 +129,7 @@ def test_overwrite_replaces_the_previous_run(demo_workspace, previous_run, tmp_p
     shutil.copytree(previous_run, run)
     assert list((run / "tensorboard").iterdir())
     (run / "notes.txt").write_text("mine")
-    proc = _train(demo_workspace, run, "trainer.total_steps=1", "trainer.keep_last=1", "--overwrite")
+    proc = _train(demo_workspace, run, "trainer.total_steps=1", "trainer.save_every=1", "trainer.keep_last=1", "--overwrite")
     _assert_ok(proc)
     assert "--overwrite: removed checkpoints, tensorboard, metrics.jsonl" in proc.stdout, proc.stdout[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000001"]
