@@ -136,3 +136,19 @@ def test_overwrite_replaces_the_previous_run(demo_workspace, previous_run, tmp_p
     assert sorted(read_metrics(run)) == [1]
     assert not (run / "tensorboard").exists()  # FAST logs no TensorBoard: the old events are gone, not kept
     assert (run / "notes.txt").read_text() == "mine"  # not a run's file: left alone
+
+
+def test_resume_at_another_layout_from_a_dp_reshardable_checkpoint_is_a_named_error(demo_workspace, previous_run, tmp_path):
+    """The latest intact checkpoint is a periodic (dp_reshardable) one; resuming it at TP=2 stops with
+    one message that says what differs and what to do, before the rollout engine starts."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(previous_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000003")  # the final, fully reshardable one
+    proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, run),
+                   "trainer.total_steps=3", "parallel.tp=2", "--resume", nproc=2)  # fmt: skip
+    assert proc.returncode != 0
+    assert "megatron-dapo: error:" in proc.stderr and "dp_reshardable" in proc.stderr, proc.stderr[-3000:]
+    assert "tp 1 -> 2" in proc.stderr and "fully reshardable" in proc.stderr
+    assert "CheckpointLayoutError" not in proc.stderr  # reported, not raised through
