@@ -215,7 +215,9 @@ def _dcp_problems(root: Path, dist_dir: str, skip: set) -> list[str]:
         if problem not in skip and not any(s.startswith(f"{name} ") for s in skip):
             problems.append(problem)
     common = f"{dist_dir}/common.pt"
-    if "common_state" not in keys and not (dist / "common.pt").is_file() and not any(s.startswith(f"{common} ") for s in skip):
+    # 0.19+ stores the common state as the ShardedObject "common_state" (DCP key "common_state/shard_0_1").
+    in_dcp = any(k == "common_state" or k.startswith("common_state/") for k in keys)
+    if not in_dcp and not (dist / "common.pt").is_file() and not any(s.startswith(f"{common} ") for s in skip):
         problems.append(f"{common} (Megatron's common state: step, scheduler, param groups) is missing")
     return problems
 

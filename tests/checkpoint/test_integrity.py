@@ -140,6 +140,23 @@ def test_checks_without_a_manifest_use_the_dcp_index(tmp_path):
     assert any(p.startswith("dist/.metadata cannot be read") for p in problems), problems
 
 
+def test_common_state_inside_the_dcp_files_needs_no_common_pt(tmp_path):
+    """megatron-core 0.19+ writes the common state as the ShardedObject "common_state" (no common.pt)."""
+    import io
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(8), "common_state/shard_0_1": io.BytesIO(b"state")}, storage_writer=dcp.FileSystemWriter(str(dist)))
+    (dist / "metadata.json").write_text("{}")
+    assert integrity.structural_problems(tmp_path, {}, dist_dir="dist", trainer_state_file="trainer_state.json") == []
+
+
 @pytest.mark.parametrize(
     "text, problem",
     [
