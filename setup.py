@@ -49,6 +49,9 @@ setup(
         "tqdm>=4.66",
         # The verl/DAPO datasets are parquet files.
         "pyarrow>=14",
+        # Checkpoint checksums: hardware CRC-32C (~4-5 GB/s here vs ~1 GB/s for zlib's CRC-32, which is
+        # the fallback when it is missing); a 40 kB wheel, Apache-2.0.
+        "google-crc32c>=1.5",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],

@@ -298,6 +298,21 @@ class TrainerConfig:
     save_every: int = 50
     """Checkpoint every N steps (0 = only at the end and on SIGTERM)."""
     keep_last: int = 2
+    checkpoint_format: str = "dp_reshardable"
+    """Optimizer-state format of the periodic and SIGTERM checkpoints (`checkpoint/optimizer_state.py`).
+    `dp_reshardable` (Megatron-LM's default): every rank writes its own shard of the distributed
+    optimizer, the weights are shared out among the data-parallel ranks, nothing is gathered; such a
+    checkpoint resumes at the same parallel.tp / pp / vpp (the DP size may change). `fully_reshardable`:
+    the optimizer state is gathered over gloo into DP rank 0's host memory and written from there, so it
+    resumes at any layout, but every save funnels the whole optimizer state (12 bytes per parameter)
+    through the nodes of DP rank 0. The weights of either convert to HF and load at any layout."""
+    final_checkpoint_reshardable: bool = True
+    """Write the checkpoint after the last step (trainer.total_steps) in the `fully_reshardable` format
+    whatever checkpoint_format says, so that a finished run can be continued at another layout (one slow
+    save per run); false keeps checkpoint_format for it too."""
+    checkpoint_write_threads: int = 2
+    """Writer threads (one file each) per rank for checkpoint data, also used to checksum it. Parallel
+    file systems (Lustre, GPFS) reach their bandwidth only with several streams per client."""
     eval_every: int = 10
     """Validate every N steps (0 = never)."""
     val_before_train: bool = True
@@ -331,6 +346,7 @@ class Config:
 
 
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable")  # = checkpoint.optimizer_state.OPTIMIZER_FORMATS
 
 # --------------------------------------------------------------------------------------------
 # Loading
@@ -572,6 +588,11 @@ def validate(cfg: Config) -> None:
         value = getattr(t, key)
         _require(value >= 0, f"'trainer.{key}' must be >= 0, got {value}")
     _require(t.keep_last >= 1, f"'trainer.keep_last' must be >= 1, got {t.keep_last}")
+    _require(
+        t.checkpoint_format in CHECKPOINT_FORMATS,
+        f"'trainer.checkpoint_format'={t.checkpoint_format!r} is not one of {', '.join(CHECKPOINT_FORMATS)}",
+    )
+    _require(t.checkpoint_write_threads >= 1, f"'trainer.checkpoint_write_threads' must be >= 1, got {t.checkpoint_write_threads}")
     _require(t.collective_timeout_s > 0, "'trainer.collective_timeout_s' must be > 0")
     _require(r.gather_timeout_s > 0, f"'rollout.gather_timeout_s' must be > 0, got {r.gather_timeout_s}")
     _require(

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         if (sft_root / "latest").exists():
             cfg.model.megatron_checkpoint = str(sft_root)
         say(f"== phase 2: DAPO, {cfg.trainer.total_steps} steps (rollout engine: {cfg.rollout.engine})")
-        train(cfg, say=say)
+        train(cfg, say=say, overwrite=True)  # each demo run starts its DAPO phase afresh
 
     code = guarded(both_phases)
     if code == 0 and launch.rank == 0:

@@ -31,9 +31,84 @@ class Runtime:
     output_dir: Path
 
 
-def preflight(cfg: Config, world_size: int, *, needs_data: bool = True) -> str:
+class OutputDirectoryError(ConfigError):
+    """`trainer.output_dir` holds a previous run (and neither --resume nor --overwrite was given), or
+    cannot be created."""
+
+
+# What a run writes under trainer.output_dir (`--overwrite` removes these and nothing else).
+_CHECKPOINTS_DIR = "checkpoints"
+_RUN_FILES = ("metrics.jsonl", "plot.png", "config.yaml", "wandb_run_id")
+_RUN_DIRS = (_CHECKPOINTS_DIR, "tensorboard", "wandb")
+
+
+def check_output_dir(output_dir, *, resume: bool, overwrite: bool) -> list[str]:
+    """Refuse to start a fresh run on top of a previous one (pure: reads the directory only).
+
+    A fresh run (no `resume`) into a non-empty directory would mix its metrics, TensorBoard events
+    and checkpoints with the old run's (and `keep_last` would then prune by step number across both
+    runs); it needs `overwrite`. Also refuses `resume` with `overwrite`, an output_dir that is a
+    file, and one that cannot be created. Returns the names found in the directory.
+    """
+    path = Path(output_dir)
+    if resume and overwrite:
+        raise OutputDirectoryError("--resume continues the run in trainer.output_dir and --overwrite deletes it: give one")
+    if path.exists() and not path.is_dir():
+        raise OutputDirectoryError(f"'trainer.output_dir'={path} is a file, not a directory: choose another trainer.output_dir")
+    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if entries and not resume and not overwrite:
+        shown = ", ".join(entries[:6]) + (f", ... ({len(entries) - 6} more)" if len(entries) > 6 else "")
+        raise OutputDirectoryError(
+            f"'trainer.output_dir'={path} is not empty ({shown}): a new run there would mix with the previous one. "
+            "Continue that run with --resume, replace it with --overwrite (deletes its checkpoints, metrics and "
+            "TensorBoard logs), or set trainer.output_dir to another directory"
+        )
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not path.exists() and not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputDirectoryError(
+            f"'trainer.output_dir'={path} cannot be created ({existing} is not writable): set trainer.output_dir "
+            "to a directory you can write (the GPU recipes use $SCRATCH)"
+        )
+    return entries
+
+
+def clear_previous_run(output_dir) -> list[str]:
+    """`--overwrite`: delete what an earlier run wrote under `output_dir` (checkpoints, metrics,
+    TensorBoard and W&B files, plot, resolved config); other files stay. Returns the names removed."""
+    import shutil
+
+    path = Path(output_dir)
+    removed = []
+    for name in (*_RUN_DIRS, *_RUN_FILES):
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def remove_run_logs(output_dir) -> None:
+    """A fresh record: the metrics and TensorBoard events of an earlier attempt that left no checkpoint
+    (`--resume` with nothing to resume from) would otherwise mix with this run's."""
+    import shutil
+
+    path = Path(output_dir)
+    (path / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(path / "tensorboard", ignore_errors=True)
+
+
+def preflight(
+    cfg: Config, world_size: int, *, needs_data: bool = True, resume: Optional[bool] = None, overwrite: bool = False
+) -> str:
     """Every check that needs no model, before any process group exists. Returns the layout text.
 
+    `resume` not None: `trainer.output_dir` is checked for a previous run (`check_output_dir`).
     Raises `ConfigError` naming the key to change.
     """
     from megatron_dapo.distributed.layout import ParallelLayout
@@ -65,6 +140,8 @@ def preflight(cfg: Config, world_size: int, *, needs_data: bool = True) -> str:
             for path in getattr(cfg.data, key):
                 if not Path(path).is_file():
                     raise ConfigError(f"'data.{key}' names {path}, which does not exist")
+    if resume is not None:
+        check_output_dir(cfg.trainer.output_dir, resume=resume, overwrite=overwrite)
     layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.cp, world_size)
     return layout.describe(int(hf_json.get("num_hidden_layers", 0)) or None)
 
@@ -76,8 +153,14 @@ def launch_world_size() -> int:
     return resolve_launch_env(os.environ, free_port=0).world_size
 
 
-def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
-    """Pre-flight, then process groups, tokenizer and the loaded model chunks."""
+def start(
+    cfg: Config, *, needs_data: bool = True, say=print, resume: Optional[bool] = None, overwrite: bool = False
+) -> Runtime:
+    """Pre-flight, then process groups, tokenizer and the loaded model chunks.
+
+    `resume` / `overwrite`: the policy for a previous run in `trainer.output_dir` (`check_output_dir`;
+    None: no check); with `overwrite` rank 0 deletes that run's files once every rank passed the checks.
+    """
     from transformers import AutoTokenizer
 
     from megatron_dapo.distributed.objects import is_logging_rank
@@ -85,12 +168,16 @@ def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
     from megatron_dapo.model.hf_config import read_hf_config
 
     world_size = launch_world_size()
-    layout_text = preflight(cfg, world_size, needs_data=needs_data)
+    layout_text = preflight(cfg, world_size, needs_data=needs_data, resume=resume, overwrite=overwrite)
     ctx = init_distributed(
         cfg.parallel, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed, gather_timeout_s=cfg.rollout.gather_timeout_s
     )
     if is_logging_rank():
         say(f"[megatron-dapo] {world_size} process(es), backend {ctx.backend}, device {ctx.device.type}\n{layout_text}")
+        if overwrite:  # after init_distributed: every rank has checked the directory before it changes
+            removed = clear_previous_run(cfg.trainer.output_dir)
+            if removed:
+                say(f"--overwrite: removed {', '.join(removed)} of the previous run in {cfg.trainer.output_dir}")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers: pad with EOS (padding never enters a loss)
         tokenizer.pad_token = tokenizer.eos_token

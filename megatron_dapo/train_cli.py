@@ -6,8 +6,11 @@
 
 A run writes under `trainer.output_dir`: metrics.jsonl, tensorboard/, checkpoints/step_N (atomic,
 `checkpoints/latest`), plot.png and the resolved config.yaml. `--resume` continues from the latest
-checkpoint there (same data order and generation seeds, so the steps equal an uninterrupted run's),
-or starts from step 0 when there is none, so that a requeued SLURM job can always pass it.
+intact checkpoint there (same data order and generation seeds, so the steps equal an uninterrupted
+run's; damaged checkpoints are skipped and named), or starts from step 0 when there is none, so that
+a requeued SLURM job can always pass it. A run without --resume refuses a non-empty output
+directory; `--overwrite` deletes the previous run's checkpoints, metrics and TensorBoard logs there
+first.
 
 SIGTERM (SLURM preemption, a time limit) ends the job with exit code 143:
 - during generation or before the update: after the current generation batch, a checkpoint of the
@@ -77,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__
     add_common_arguments(parser)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in trainer.output_dir (if any)")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="start afresh in a trainer.output_dir that holds a previous run: delete its checkpoints, metrics and "
+        "TensorBoard logs first (without --resume or --overwrite a non-empty output directory is refused)",
+    )  # fmt: skip
 
 
 def guarded(fn) -> int:
@@ -139,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     def job() -> None:
         resolve_config_argument(args)
-        train(load_config(args.config, args.overrides), resume=args.resume)
+        train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite)
 
     return guarded(job)
 

@@ -393,10 +393,16 @@ class DAPOTrainer:
         away = bool(self.offload.offloaded)
         if away:  # the checkpoint reads the actor's state: the GPU changes hands once more
             self._actor_takes_gpu()
+        t = self.cfg.trainer
+        # Periodic (and SIGTERM) saves in checkpoint_format; the one after the last step can be fully
+        # reshardable, so a finished run continues at any layout.
+        final = self.step >= t.total_steps and t.final_checkpoint_reshardable
         path = save_checkpoint(
             self.checkpoint_root, self.step, self.actor.models, self.actor.optimizer, self.actor.scheduler,
             trainer_state={"step": self.step, "sampler": self.sampler.state_dict()},
-            config=self.cfg, hf_dir=self.cfg.model.hf_dir, keep_last=self.cfg.trainer.keep_last,
+            config=self.cfg, hf_dir=self.cfg.model.hf_dir, keep_last=t.keep_last,
+            optimizer_format="fully_reshardable" if final else t.checkpoint_format,
+            write_threads=t.checkpoint_write_threads,
         )  # fmt: skip
         if away:  # the engine already has these weights, unless a deep sleep discarded them
             self._engine_takes_gpu(push=self.rollout.sleep_discards_weights)
@@ -405,28 +411,33 @@ class DAPOTrainer:
         return path
 
     def _maybe_resume(self) -> bool:
-        from megatron_dapo.checkpoint import find_latest, load_checkpoint
+        from megatron_dapo.checkpoint import load_latest_checkpoint
 
-        latest = find_latest(self.checkpoint_root)
-        if latest is None:
+        # The newest intact checkpoint: damaged ones (checksums, missing or cut files, a bad
+        # trainer_state.json) are passed over and named; none intact at all is a named error.
+        loaded = load_latest_checkpoint(
+            self.checkpoint_root, self.actor.models, self.actor.optimizer, self.actor.scheduler,
+            required_state=("step", "sampler"),
+        )  # fmt: skip
+        if loaded is None:
             self.say_rank0(f"--resume: no checkpoint under {self.checkpoint_root}; starting from step 0")
             return False
-        loaded = load_checkpoint(latest, self.actor.models, self.actor.optimizer, self.actor.scheduler)
         state = loaded.trainer_state
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self._last_saved_step = self.step
-        self.say_rank0(f"resumed from {latest} at step {self.step}" + "".join(f"\n  note: {n}" for n in loaded.notes))
+        self.say_rank0(f"resumed from {loaded.path} at step {self.step}" + "".join(f"\n  note: {n}" for n in loaded.notes))
         return True
 
     def _make_logger(self, resumed: bool):
         from megatron_dapo.config import config_to_dict
         from megatron_dapo.tracking import MetricsLogger
 
+        from megatron_dapo.runtime import remove_run_logs
+
         t = self.cfg.trainer
-        metrics_file = self.runtime.output_dir / "metrics.jsonl"
-        if self.rank0 and not resumed and metrics_file.exists():
-            metrics_file.unlink()  # a fresh run in an old directory starts a fresh record
+        if self.rank0 and not resumed:  # `--resume` without a checkpoint: the logs of an attempt that left none
+            remove_run_logs(self.runtime.output_dir)
         return MetricsLogger(
             self.runtime.output_dir, t.loggers, experiment_name=t.experiment_name, config=config_to_dict(self.cfg),
             enabled=self.rank0, resume_step=self.step if resumed else None,
@@ -488,12 +499,15 @@ def _auto_reward_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1)))
 
 
-def train(cfg: Config, *, resume: bool = False, say=print) -> dict[str, float]:
-    """Run DAPO training as configured (every rank calls it); returns the last step's metrics."""
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, say=print) -> dict[str, float]:
+    """Run DAPO training as configured (every rank calls it); returns the last step's metrics.
+
+    A non-empty `trainer.output_dir` needs `resume` (continue the run there) or `overwrite` (delete
+    that run's checkpoints and logs first); see `runtime.check_output_dir`."""
     from megatron_dapo.distributed.setup import teardown
     from megatron_dapo.runtime import start, write_resolved_config
 
-    runtime = start(cfg, say=say)
+    runtime = start(cfg, say=say, resume=resume, overwrite=overwrite)
     write_resolved_config(cfg, runtime.output_dir)
     trainer = DAPOTrainer(cfg, runtime, resume=resume, say=say)
     try:

@@ -26,7 +26,8 @@
 #
 # Resuming: `--resume` is passed to the trainer when given on the sbatch command line, and also
 # automatically when SLURM restarts a requeued job (SLURM_RESTART_COUNT > 0: preemption, node
-# failure, `scontrol requeue`) and a checkpoint exists under trainer.output_dir.
+# failure, `scontrol requeue`) and a checkpoint exists under trainer.output_dir; a restarted job
+# without one passes --overwrite (its first attempt's logs would otherwise stop the new one).
 
 # Where the repository is: the batch script itself runs from a copy in slurmd's spool directory,
 # so its own path says nothing; sbatch is run from the repository root (or REPO_DIR is exported).
@@ -106,7 +107,7 @@ dapo_srun() {
     srun "${opts[@]}" ${SRUN_EXTRA_ARGS:-} "$@"
 }
 
-# dapo_train_command DEFAULT_CONFIG [--config FILE] [--resume] [key=value ...] [other trainer flags]
+# dapo_train_command DEFAULT_CONFIG [--config FILE] [--resume|--overwrite] [key=value ...] [other trainer flags]
 # Sets DAPO_TRAIN_CMD (an array) to the trainer command line, after the checks, without running it.
 # The config is --config if given, else $CONFIG, else DEFAULT_CONFIG. The batch shell checks the
 # config and its parallel layout against the number of tasks first (a typo fails here in a second,
@@ -114,12 +115,13 @@ dapo_srun() {
 dapo_train_command() {
     local config="${CONFIG:-$1}"
     shift
-    local train_args=() overrides=() resume=0
+    local train_args=() overrides=() resume=0 overwrite=0
     while [ $# -gt 0 ]; do
         case "$1" in
             --config) [ $# -ge 2 ] || dapo_die "--config needs a file"; config="$2"; shift 2; continue ;;
             --config=*) config="${1#--config=}" ;;
             --resume) resume=1 ;;
+            --overwrite) overwrite=1 ;;
             -*) train_args+=("$1") ;;
             *=*) overrides+=("$1"); train_args+=("$1") ;;
             *) train_args+=("$1") ;;
@@ -134,13 +136,19 @@ dapo_train_command() {
     output_dir="$(printf '%s' "$resolved" \
         | python -c 'import json, sys; print(json.load(sys.stdin)["trainer"]["output_dir"])')"
 
-    if [ "$resume" = 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -e "$output_dir/checkpoints/latest" ]; then
-        dapo_log "restart ${SLURM_RESTART_COUNT} of a requeued job:" \
-            "resuming from $output_dir/checkpoints/$(cat "$output_dir/checkpoints/latest")"
-        resume=1
+    if [ "$resume" = 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+        if [ -e "$output_dir/checkpoints/latest" ]; then
+            dapo_log "restart ${SLURM_RESTART_COUNT} of a requeued job:" \
+                "resuming from $output_dir/checkpoints/$(cat "$output_dir/checkpoints/latest")"
+            resume=1 overwrite=0  # a job submitted with --overwrite continues what it wrote since
+        else  # the first attempt of this job left logs but no checkpoint: start it over
+            dapo_log "restart ${SLURM_RESTART_COUNT} of a requeued job without a checkpoint: starting over (--overwrite)"
+            overwrite=1
+        fi
     fi
     DAPO_TRAIN_CMD=(python -m megatron_dapo.cli train --config "$config")
     [ "$resume" = 1 ] && DAPO_TRAIN_CMD+=(--resume)
+    [ "$overwrite" = 1 ] && DAPO_TRAIN_CMD+=(--overwrite)
     DAPO_TRAIN_CMD+=("${train_args[@]}")
     dapo_log "${DAPO_TRAIN_CMD[*]:3} -> $output_dir"
 }

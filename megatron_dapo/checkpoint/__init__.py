@@ -18,13 +18,17 @@ from megatron_dapo.checkpoint.layout import (
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointLayoutError",
     "CheckpointMismatchError",
     "LoadedCheckpoint",
+    "NoIntactCheckpointError",
     "find_latest",
     "is_complete_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_latest_checkpoint",
     "read_metadata",
     "resolve_checkpoint_dir",
     "save_checkpoint",
@@ -34,12 +38,13 @@ __all__ = [
 
 def __getattr__(name: str):
     # core imports torch and torch_dist imports Megatron: load them on first use only.
-    if name in ("CheckpointError", "LoadedCheckpoint", "load_checkpoint", "save_checkpoint"):
+    if name in ("CheckpointCorruptError", "CheckpointError", "LoadedCheckpoint", "NoIntactCheckpointError",
+                "load_checkpoint", "load_latest_checkpoint", "save_checkpoint"):  # fmt: skip
         from megatron_dapo.checkpoint import core
 
         return getattr(core, name)
-    if name == "CheckpointMismatchError":
+    if name in ("CheckpointLayoutError", "CheckpointMismatchError"):
         from megatron_dapo.checkpoint import torch_dist
 
-        return torch_dist.CheckpointMismatchError
+        return getattr(torch_dist, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

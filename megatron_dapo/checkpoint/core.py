@@ -2,28 +2,38 @@
 
     path = save_checkpoint(root, step, models, optimizer, scheduler,
                            trainer_state={"data_position": 1234}, config=cfg, hf_dir=cfg.model.hf_dir,
-                           keep_last=2)                                  # every rank
-    ckpt = load_checkpoint(root, models, optimizer, scheduler)          # every rank, any layout
+                           keep_last=2, optimizer_format="dp_reshardable")   # every rank
+    ckpt = load_checkpoint(root, models, optimizer, scheduler)              # every rank
+    ckpt = load_latest_checkpoint(root, models, optimizer, scheduler)       # resume: newest intact one
     start_step = ckpt.step + 1
 
-Both are collectives: every rank of the job calls them with its own model chunks. The on-disk
-layout and the atomic publication are described in `checkpoint/layout.py`.
+All are collectives: every rank of the job calls them with its own model chunks. The on-disk
+layout and the atomic publication are described in `checkpoint/layout.py`, the checksums in
+`checkpoint/integrity.py`, the optimizer formats in `checkpoint/optimizer_state.py`.
+
+Writing is spread over the ranks: every rank writes its own files with `write_threads` threads,
+tensors replicated over data-parallel ranks (the weights) are shared out among them by Megatron's
+fully parallel save, and with `optimizer_format="dp_reshardable"` each rank writes its own shard of
+the distributed optimizer's state; each rank then checksums what it wrote. Rank 0 writes the small
+shared files and publishes the checkpoint.
 
 What makes a checkpoint loadable at another TP / PP / VPP / DP layout:
 - model tensors are Megatron ShardedTensors (global shape + this rank's offsets), so Megatron's
   loader reads whatever slice the new layout needs; the vocabulary padding, which depends on TP,
-  is marked `allow_shape_mismatch` by Megatron and padded / trimmed on load;
-- the distributed optimizer is saved in Megatron's `fully_reshardable` format (optimizer state
-  laid out like the model parameters; the `fully_sharded_model_space` default of 0.16 relies on
-  `flattened_range`, which 0.16's ShardedTensor refuses), in its memory-efficient variant (the
-  DP shards are gathered over gloo into CPU memory of DP rank 0 only, which writes them); the
-  non-distributed optimizers save per-parameter state keyed like the model: both reshard over
-  TP, PP and DP;
+  is marked `allow_shape_mismatch` by Megatron and padded / trimmed on load; so the weights of
+  every checkpoint load at any layout (`load_optimizer=False`), and convert to HF;
+- the distributed optimizer's state: at any layout when saved `fully_reshardable`, at the same TP /
+  PP / VPP when saved `dp_reshardable` (a named `CheckpointLayoutError` otherwise); the
+  non-distributed optimizers save per-parameter state keyed like the model: any layout;
 - the scheduler state and the optimizer's param groups are layout-free (common state);
 - RNG states are per rank and only meaningful at the same layout: they are restored when the layout
   is unchanged and otherwise left as `init_distributed` seeded them (reported in the result).
 Switching between the distributed and the non-distributed optimizer is refused with a clear
 error (their checkpoints hold different tensors).
+
+Before loading, a checkpoint is checked against the manifest in its metadata.json (sizes, then
+checksums, the files shared out among the ranks); a damaged one raises `CheckpointCorruptError`
+naming the files, and `load_latest_checkpoint` passes over it to the newest intact checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from megatron_dapo.checkpoint import integrity
 from megatron_dapo.checkpoint.layout import (
     CHECKPOINT_FORMAT,
     DIST_DIR,
@@ -53,37 +64,59 @@ from megatron_dapo.checkpoint.layout import (
     read_metadata,
     remove_stale_temp_dirs,
     resolve_checkpoint_dir,
+    resume_candidates,
     step_dir_name,
     fsync_dir,
     write_latest_pointer,
 )
+from megatron_dapo.checkpoint.optimizer_state import (
+    OPTIMIZER_FORMATS,
+    bucket_layout,
+    bucket_mismatch,
+    layout_change,
+    load_optimizer_state,
+    materialise_adam_state,
+    optimizer_kind,
+    sharding_metadata,
+)
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointError",
     "LoadedCheckpoint",
-    "OPTIMIZER_SHARDING",
+    "NoIntactCheckpointError",
+    "OPTIMIZER_FORMATS",
     "current_layout",
     "load_checkpoint",
+    "load_latest_checkpoint",
     "make_metadata",
     "model_sharded_state_dict",
     "optimizer_kind",
     "save_checkpoint",
+    "verify_checkpoint",
     "versions",
 ]
 
-FORMAT_VERSION = 1
-OPTIMIZER_SHARDING = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "distrib_optim_fully_reshardable_mem_efficient": True,
-    "chained_optim_avoid_prefix": True,
-}
-"""Metadata given to `optimizer.sharded_state_dict` (see the module doc for the choice)."""
+FORMAT_VERSION = 2
+"""2: per-file checksums (metadata.json "files" / "checksum") and the optimizer format in
+contents.optimizer_sharding; version 1 checkpoints (no checksums, fully_reshardable) still load."""
 
 PathLike = Union[str, os.PathLike]
 
 
 class CheckpointError(RuntimeError):
     """A save or load step failed (on this rank or another one)."""
+
+
+class CheckpointCorruptError(CheckpointError, FileNotFoundError):
+    """A checkpoint's files are missing, cut short or differ from their checksums.
+
+    Also a FileNotFoundError (no usable checkpoint where one was named), which the command line
+    reports in one line."""
+
+
+class NoIntactCheckpointError(CheckpointCorruptError):
+    """Resuming found checkpoints, but every one of them is damaged (the message lists why)."""
 
 
 @dataclass
@@ -98,7 +131,9 @@ class LoadedCheckpoint:
     scheduler_loaded: bool
     rng_restored: bool
     notes: list[str] = field(default_factory=list)
-    """Human-readable remarks (e.g. why RNG states were not restored)."""
+    """Human-readable remarks (e.g. why RNG states were not restored, which checkpoints were skipped)."""
+    skipped: list[str] = field(default_factory=list)
+    """`load_latest_checkpoint`: the newer checkpoints passed over, each "<path>: <why>"."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,110 +193,6 @@ def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any
     """
     chunks = _unwrap(models)
     return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(len(chunks)), chunks)}
-
-
-def optimizer_kind(optimizer: Any) -> str:
-    """"distributed" (ZeRO-1 DistributedOptimizer) or "local" (each DP rank holds the full state)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    inner = _inner_optimizers(optimizer)
-    kinds = {"distributed" if isinstance(o, DistributedOptimizer) else "local" for o in inner}
-    if len(kinds) != 1:
-        raise CheckpointError(f"mixed optimizer kinds {sorted(kinds)} are not supported by checkpointing")
-    kind = kinds.pop()
-    if kind == "distributed":
-        formats = getattr(DistributedOptimizer, "checkpoint_fully_reshardable_formats", set())
-        if OPTIMIZER_SHARDING["distrib_optim_sharding_type"] not in formats:
-            raise CheckpointError(
-                "this Megatron-Core's DistributedOptimizer has no 'fully_reshardable' checkpoint format "
-                f"(it offers {sorted(formats)}): install megatron-core 0.16 - 0.19"
-            )
-    return kind
-
-
-def _inner_optimizers(optimizer: Any) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _materialise_adam_state(optimizer: Any) -> None:
-    """Create the Adam state PyTorch would create at the first step, where it is missing.
-
-    Megatron 0.16's DistributedOptimizer.state_dict() on the PyTorch-Adam path (no Apex / TE: CPU
-    machines) reads state["step"] of every parameter, which PyTorch creates lazily at the first
-    step, so a never-stepped optimizer cannot describe what to load. Zeros and step 0 are exactly
-    PyTorch's initial state, and loading overwrites them.
-    """
-    for inner in _inner_optimizers(optimizer):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                state = torch_optimizer.state[param]
-                if "step" in state:
-                    continue
-                # Where PyTorch keeps it: on the parameter's device only for capturable / fused Adam.
-                on_param = group.get("capturable") or group.get("fused")
-                state["step"] = torch.tensor(0.0, device=param.device if on_param else "cpu")
-                state.setdefault("exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format))
-                state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
-                if group.get("amsgrad"):
-                    state.setdefault("max_exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
-
-
-def _load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
-    """`optimizer.load_state_dict`, working around a Megatron 0.16 bug on the PyTorch-Adam path.
-
-    For the fully-reshardable format, DistributedOptimizer.load_state_dict first rebuilds the
-    inner optimizer's state (adding a per-parameter "step" on the PyTorch path), then copies the
-    loaded tensors into every key of that state, "step" included, which the loaded tensors do not
-    have (KeyError). We split the two halves and hide "step" during the copy; with Apex / TE
-    optimizers there is no per-parameter step and this is the plain call.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    inner = _inner_optimizers(optimizer)
-    parts = [state_dict] if len(inner) == 1 else [state_dict[k] for k in sorted(state_dict)]
-    if len(parts) != len(inner):
-        raise CheckpointError(f"the checkpoint holds {len(parts)} optimizer(s), this run has {len(inner)}")
-    for opt, part in zip(inner, parts):
-        if not isinstance(opt, DistributedOptimizer) or part.get("param_state_sharding_type") != "fully_reshardable":
-            opt.load_state_dict(part)
-            continue
-        part = dict(part)
-        param_state = part.pop("param_state")
-        part.pop("param_state_sharding_type")
-        opt.load_state_dict(part)  # param groups, step, grad scaler
-        hidden = {param: state.pop("step") for param, state in opt.optimizer.state.items() if "step" in state}
-        try:
-            opt.load_parameter_state_from_fully_reshardable(param_state)
-        finally:
-            for param, step in hidden.items():
-                opt.optimizer.state[param]["step"] = step
-    if len(inner) > 1 and hasattr(optimizer, "_synchronize_steps"):
-        optimizer._synchronize_steps()
-    _unshare_step_tensors(optimizer)
-
-
-def _unshare_step_tensors(optimizer: Any) -> None:
-    """Give every parameter its own Adam "step" tensor.
-
-    DistributedOptimizer.load_state_dict (PyTorch path) puts ONE step tensor in every parameter's
-    state; PyTorch's foreach Adam then increments that shared tensor once per parameter, so after
-    one update the bias correction uses step 2 + number of parameters instead of 3. Found by the
-    resume test: the loss after the first resumed update differed from the uninterrupted run.
-    """
-    for inner in _inner_optimizers(optimizer):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.Optimizer):
-            continue
-        seen: set[int] = set()
-        for state in torch_optimizer.state.values():
-            step = state.get("step")
-            if isinstance(step, torch.Tensor):
-                if id(step) in seen:
-                    state["step"] = step.clone()
-                seen.add(id(step))
 
 
 def _json_default(value: Any) -> Any:
@@ -328,12 +259,15 @@ def _all_ranks_ok(local_error: Optional[BaseException], what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sharded_state(models, optimizer, scheduler, is_loading: bool, with_optimizer: bool) -> dict[str, Any]:
+def _sharded_state(models, optimizer, scheduler, is_loading: bool, optimizer_format: Optional[str]) -> dict[str, Any]:
+    """Model (and optimizer in `optimizer_format`, scheduler) sharded state; no optimizer when the format is None."""
     state = model_sharded_state_dict(models)
-    if with_optimizer:
+    if optimizer_format is not None:
         model_state = dict(state)
-        _materialise_adam_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+        materialise_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=sharding_metadata(optimizer_format)
+        )
     if scheduler is not None and not is_loading:
         state["scheduler"] = scheduler.state_dict()  # plain values: Megatron saves them once (common.pt)
     return state
@@ -365,12 +299,20 @@ def _write_checkpoint_metadata(directory: Path, metadata: dict) -> None:
 
 
 def _publish(root: Path, tmp: Path, final: Path, metadata: dict, trainer_state: Optional[dict],
-             hf_dir: Optional[PathLike], keep_last: int) -> str:
-    """Rank 0: finish the temp directory, rename it into place, move `latest`, prune old ones."""
+             hf_dir: Optional[PathLike], keep_last: int, checksummed: Optional[dict], threads: int) -> str:
+    """Rank 0: finish the temp directory, rename it into place, move `latest`, prune old ones.
+
+    `checksummed`: the manifest entries the ranks computed for their own files; rank 0 adds every
+    other file (the small shared ones) before metadata.json is written, so the manifest is complete.
+    """
     if trainer_state is not None:
         (tmp / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, default=_json_default, indent=1))
     if hf_dir is not None:
         copy_hf_side_files(hf_dir, tmp / HF_DIR)
+    if checksummed is not None:
+        algorithm = metadata[integrity.ALGORITHM_KEY]
+        rest = integrity.all_files(tmp, exclude=[METADATA_FILE, *checksummed])
+        metadata[integrity.MANIFEST_KEY] = {**checksummed, **integrity.checksum_files(tmp, rest, algorithm, threads)}
     fsync_dir(tmp)
     _write_checkpoint_metadata(tmp, metadata)
     if final.exists():  # the same step saved again (e.g. a final save right after a periodic one)
@@ -386,6 +328,13 @@ def _publish(root: Path, tmp: Path, final: Path, metadata: dict, trainer_state: 
     return str(final)
 
 
+def _data_parallel_group() -> Any:
+    """The group Megatron shards the distributed optimizer over (DP x CP): the save is spread over it."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
 def save_checkpoint(
     root: PathLike,
     step: int,
@@ -398,6 +347,10 @@ def save_checkpoint(
     hf_dir: Optional[PathLike] = None,
     keep_last: int = 0,
     extra_metadata: Optional[dict] = None,
+    optimizer_format: str = "dp_reshardable",
+    write_threads: int = 2,
+    parallel_save: bool = True,
+    checksums: bool = True,
 ) -> Path:
     """Write checkpoint `<root>/step_<step>` atomically; collective over all ranks. Returns its path.
 
@@ -407,6 +360,11 @@ def save_checkpoint(
     `config`: the run's config (dataclass or dict), recorded in metadata.json. `hf_dir`: the HF
     model directory whose config / tokenizer files are copied in, which lets
     `convert_megatron_to_hf` export this checkpoint. `keep_last` > 0 prunes older checkpoints.
+    `optimizer_format`: "dp_reshardable" (every rank writes its shard; resumes at the same TP / PP /
+    VPP) or "fully_reshardable" (gathered to DP rank 0; resumes at any layout), see
+    `optimizer_state`. `write_threads`: writer threads (files) per rank. `parallel_save`: share the
+    writing of DP-replicated tensors out among the DP ranks (else DP rank 0 writes them).
+    `checksums`: record per-file checksums in metadata.json (checked before every load).
     """
     import torch.distributed as dist
 
@@ -415,12 +373,15 @@ def save_checkpoint(
 
     if trainer_state is not None:
         json.dumps(trainer_state, default=_json_default)  # fail before any collective if it cannot be saved
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        raise ValueError(f"optimizer_format={optimizer_format!r} is not one of {', '.join(OPTIMIZER_FORMATS)}")
     root = Path(root)
     name = step_dir_name(step)
     tmp, final = root / f"{TMP_PREFIX}{name}", root / name
     chunks = _unwrap(models)
     with_optimizer = optimizer is not None
     kind = optimizer_kind(optimizer) if with_optimizer else None
+    sharding = optimizer_format if kind == "distributed" else None
 
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -430,8 +391,9 @@ def save_checkpoint(
 
     _rank0_then_share(prepare, "preparing the checkpoint directory")
 
-    state = _sharded_state(chunks, optimizer, scheduler, is_loading=False, with_optimizer=with_optimizer)
-    save_sharded(state, tmp / DIST_DIR)  # collective: every rank writes its main-replica shards
+    state = _sharded_state(chunks, optimizer, scheduler, is_loading=False, optimizer_format=optimizer_format if with_optimizer else None)
+    # Collective: every rank writes its share of the tensors.
+    save_sharded(state, tmp / DIST_DIR, threads=write_threads, parallel_group=_data_parallel_group() if parallel_save else None)
     error = None
     try:
         torch.save(capture_rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
@@ -439,15 +401,34 @@ def save_checkpoint(
         error = err
     _all_ranks_ok(error, "saving RNG states")
 
+    algorithm = integrity.checksum_algorithm() if checksums else None
+    checksummed = None
+    if checksums:  # each rank reads back its own files, from the page cache
+        mine, error = {}, None
+        try:
+            own = integrity.files_written_by_rank(tmp, _rank(), DIST_DIR, RNG_DIR)
+            mine = integrity.checksum_files(tmp, own, algorithm, write_threads)
+        except Exception as err:
+            error = err
+        _all_ranks_ok(error, "checksumming the checkpoint files")
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        checksummed = {k: v for part in gathered for k, v in part.items()}
+    buckets = _gather_bucket_layouts(optimizer) if sharding == "dp_reshardable" else None
+
     hf_config = None
     if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
         hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    extra = dict(extra_metadata or {})
+    if checksums:
+        extra[integrity.ALGORITHM_KEY] = algorithm
     metadata = make_metadata(
         step,
         contents={
             "model": True,
             "optimizer": kind,
-            "optimizer_sharding": OPTIMIZER_SHARDING["distrib_optim_sharding_type"] if kind == "distributed" else None,
+            "optimizer_sharding": sharding,
+            "optimizer_buckets": buckets,
             "scheduler": scheduler is not None,
             "rng": True,
             "trainer_state": trainer_state is not None,
@@ -460,13 +441,82 @@ def save_checkpoint(
             "hf_config": hf_config,
         },
         config=config,
-        **(extra_metadata or {}),
+        **extra,
     )
     path = _rank0_then_share(
-        lambda: _publish(root, tmp, final, metadata, trainer_state, hf_dir, keep_last), "publishing the checkpoint"
+        lambda: _publish(root, tmp, final, metadata, trainer_state, hf_dir, keep_last, checksummed, write_threads),
+        "publishing the checkpoint",
     )
     dist.barrier()
     return Path(path)
+
+
+def _gather_bucket_layouts(optimizer: Any) -> dict:
+    """Every model-parallel rank's gradient-bucket sizes (the layout of dp_reshardable state)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, bucket_layout(optimizer))
+    merged: dict = {}
+    for part in gathered:
+        merged.update(part)  # DP replicas of one model-parallel rank have the same buckets
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Verification:
+    """What `verify_checkpoint` found: `problems` (the checkpoint must not be loaded) and `notes`."""
+
+    problems: list[str]
+    notes: list[str]
+
+
+def verify_checkpoint(
+    directory: PathLike, metadata: Optional[dict] = None, *, contents: bool = True, required_state: Sequence[str] = (),
+    threads: int = 2,
+) -> Verification:
+    """Check a checkpoint before loading it; collective, the same answer on every rank.
+
+    Rank 0 checks that every file is there with its size (manifest, DCP index, Megatron's common
+    state, trainer_state.json with `required_state` keys); then, with `contents`, the files are
+    shared out among the ranks by size and each recomputes the checksums of its share.
+    """
+    import torch.distributed as dist
+
+    directory = Path(directory)
+    metadata = read_metadata(directory) if metadata is None else metadata
+    problems = _rank0_then_share(
+        lambda: integrity.structural_problems(
+            directory, metadata, dist_dir=DIST_DIR, trainer_state_file=TRAINER_STATE_FILE, required_state=required_state
+        ),
+        f"checking {directory}",
+    )
+    notes = []
+    note = integrity.verification_note(metadata)
+    if note:
+        notes.append(f"{directory.name}: {note}")
+    if problems or not contents or note:
+        return Verification(problems, notes)
+    manifest = metadata[integrity.MANIFEST_KEY]
+    share = integrity.assign_files({k: int(v.get("bytes", 0)) for k, v in manifest.items()}, dist.get_world_size())
+    mine, error = [], None
+    try:
+        mine = integrity.content_problems(directory, metadata, share[_rank()], threads)
+    except Exception as err:  # an unreadable file is a problem of the checkpoint, not of this rank
+        mine = [f"reading {directory} failed on rank {_rank()}: {type(err).__name__}: {err}"]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return Verification(sorted(p for part in gathered for p in part), notes)
+
+
+def _damage_report(directory: Path, problems: Sequence[str]) -> str:
+    shown = list(problems[:6]) + ([f"... ({len(problems) - 6} more)"] if len(problems) > 6 else [])
+    return f"{directory}: " + "; ".join(shown)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,6 +533,75 @@ def _describe_layout(layout: dict) -> str:
     return ", ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp", "world_size"))
 
 
+def _check_optimizer_fits(directory: Path, metadata: dict, optimizer: Any, num_chunks: int) -> str:
+    """The optimizer format to load with; raises CheckpointMismatchError / CheckpointLayoutError
+    (collectively) when the checkpoint's optimizer state cannot be loaded into `optimizer` here."""
+    from megatron_dapo.checkpoint.torch_dist import CheckpointLayoutError, CheckpointMismatchError
+
+    contents = metadata.get("contents", {})
+    saved_kind = contents.get("optimizer")
+    if not saved_kind:
+        raise CheckpointMismatchError(
+            f"{directory} holds no optimizer state (saved without one, e.g. converted from HF): "
+            "load it with load_optimizer=False"
+        )
+    kind = optimizer_kind(optimizer)
+    if saved_kind != kind:
+        raise CheckpointMismatchError(
+            f"{directory} holds the state of a {saved_kind} optimizer but this run uses a {kind} one "
+            f"(parallel.use_distributed_optimizer={kind == 'distributed'}): resume with "
+            f"parallel.use_distributed_optimizer={saved_kind == 'distributed'}, or load the weights only "
+            "(load_optimizer=False)"
+        )
+    # Version 1 checkpoints did not record a format for local optimizers and used fully_reshardable.
+    sharding = contents.get("optimizer_sharding") or "fully_reshardable"
+    if sharding not in OPTIMIZER_FORMATS:
+        raise CheckpointMismatchError(
+            f"{directory} holds distributed-optimizer state in the {sharding!r} format; this version reads "
+            f"{' and '.join(OPTIMIZER_FORMATS)}: load the weights only (load_optimizer=False)"
+        )
+    if kind != "distributed" or sharding != "dp_reshardable":
+        return sharding
+    saved_layout, now = metadata.get("layout", {}), current_layout(num_chunks)
+    change = layout_change(saved_layout, now)
+    if change is None:
+        mismatch = bucket_mismatch(contents.get("optimizer_buckets") or {}, bucket_layout(optimizer))
+        change = _first_on_any_rank(mismatch)
+    if change is not None:
+        raise CheckpointLayoutError(
+            f"{directory} holds optimizer state in the dp_reshardable format (trainer.checkpoint_format), which "
+            f"loads only at the layout it was saved at ({_describe_layout(saved_layout)}; DP may change) and with the "
+            f"same gradient buckets; this run differs: {change}. Resume at the saved layout (parallel.tp, parallel.pp, "
+            "parallel.vpp as saved), or from a fully reshardable checkpoint (the one after the last step with "
+            "trainer.final_checkpoint_reshardable=true, or any with trainer.checkpoint_format=fully_reshardable)"
+            + _reshardable_hint(directory.parent)
+            + ", or load the weights only (model.megatron_checkpoint) with a fresh optimizer"
+        )
+    return sharding
+
+
+def _first_on_any_rank(message: Optional[str]) -> Optional[str]:
+    """The first non-None message of any rank (so that every rank raises together)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)
+    return next((m for m in gathered if m is not None), None)
+
+
+def _reshardable_hint(root: Path) -> str:
+    from megatron_dapo.checkpoint.layout import list_checkpoints
+
+    found = []
+    for step, path in list_checkpoints(root):
+        try:
+            if read_metadata(path).get("contents", {}).get("optimizer_sharding") == "fully_reshardable":
+                found.append(path.name)
+        except (FileNotFoundError, ValueError):
+            continue
+    return f" (here: {', '.join(found)})" if found else ""
+
+
 def load_checkpoint(
     path: PathLike,
     models: Sequence[torch.nn.Module],
@@ -492,51 +611,41 @@ def load_checkpoint(
     load_optimizer: bool = True,
     load_scheduler: Optional[bool] = None,
     load_rng: bool = True,
+    verify: bool = True,
+    required_state: Sequence[str] = (),
 ) -> LoadedCheckpoint:
     """Load a checkpoint into this rank's `models` (and optimizer / scheduler); collective.
 
     `path`: a checkpoint directory or a root of step directories (its `latest` one is loaded;
-    incomplete saves are ignored). Works at any TP / PP / VPP / DP (module doc). With
-    `load_optimizer=False` only the weights are loaded and the optimizer's main parameters are
-    re-copied from them. `load_scheduler` defaults to `load_optimizer`.
+    incomplete saves are ignored). Weights load at any TP / PP / VPP / DP, optimizer state as its
+    format allows (module doc). With `load_optimizer=False` only the weights are loaded and the
+    optimizer's main parameters are re-copied from them. `load_scheduler` defaults to
+    `load_optimizer`. `verify`: recompute the checksums first (the file and size checks always run).
+    `required_state`: keys trainer_state.json must hold.
 
-    Raises FileNotFoundError (nothing complete to load), CheckpointMismatchError (the checkpoint does
-    not fit these models or this optimizer: the message lists what differs).
+    Raises FileNotFoundError (nothing complete to load), CheckpointCorruptError (files missing, cut
+    short or not matching their checksums: the message names them), CheckpointMismatchError (the
+    checkpoint does not fit these models or this optimizer: the message lists what differs),
+    CheckpointLayoutError (dp_reshardable optimizer state asked for at another layout).
     """
     directory = resolve_checkpoint_dir(path)  # fails fast, before Megatron is even imported
     metadata = read_metadata(directory)
 
     from megatron_dapo.checkpoint.rng import restore_rng_state
-    from megatron_dapo.checkpoint.torch_dist import CheckpointMismatchError, check_against_checkpoint, load_sharded
+    from megatron_dapo.checkpoint.torch_dist import check_against_checkpoint, load_sharded
 
     contents = metadata.get("contents", {})
     chunks = _unwrap(models)
     notes: list[str] = []
 
+    checked = verify_checkpoint(directory, metadata, contents=verify, required_state=required_state)
+    if checked.problems:
+        raise CheckpointCorruptError(f"checkpoint {_damage_report(directory, checked.problems)}")
+    notes += checked.notes
+
     with_optimizer = optimizer is not None and load_optimizer
-    if with_optimizer:
-        saved_kind = contents.get("optimizer")
-        if not saved_kind:
-            raise CheckpointMismatchError(
-                f"{directory} holds no optimizer state (saved without one, e.g. converted from HF): "
-                "load it with load_optimizer=False"
-            )
-        kind = optimizer_kind(optimizer)
-        sharding = contents.get("optimizer_sharding")
-        if saved_kind == "distributed" and sharding != OPTIMIZER_SHARDING["distrib_optim_sharding_type"]:
-            raise CheckpointMismatchError(
-                f"{directory} holds distributed-optimizer state in the {sharding!r} format; this version reads the "
-                f"{OPTIMIZER_SHARDING['distrib_optim_sharding_type']!r} format (loadable at any layout): load the "
-                "weights only (load_optimizer=False)"
-            )
-        if saved_kind != kind:
-            raise CheckpointMismatchError(
-                f"{directory} holds the state of a {saved_kind} optimizer but this run uses a {kind} one "
-                f"(parallel.use_distributed_optimizer={kind == 'distributed'}): resume with "
-                f"parallel.use_distributed_optimizer={saved_kind == 'distributed'}, or load the weights only "
-                "(load_optimizer=False)"
-            )
-    state = _sharded_state(chunks, optimizer, None, is_loading=True, with_optimizer=with_optimizer)
+    sharding = _check_optimizer_fits(directory, metadata, optimizer, len(chunks)) if with_optimizer else None
+    state = _sharded_state(chunks, optimizer, None, is_loading=True, optimizer_format=sharding)
     replaced = check_against_checkpoint(state, directory / DIST_DIR)
     if replaced:
         notes.append(f"{len(replaced)} _extra_state object(s) absent from the checkpoint were left empty")
@@ -545,7 +654,7 @@ def load_checkpoint(
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         chunk.load_state_dict(loaded[key], strict=True)
     if with_optimizer:
-        _load_optimizer_state(optimizer, loaded["optimizer"])
+        load_optimizer_state(optimizer, loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # its fp32 main copies were taken from the weights before loading
 
@@ -570,7 +679,7 @@ def load_checkpoint(
                 "(per-rank streams do not map across layouts; the run's seed applies)"
             )
         elif not rng_file.is_file():
-            raise CheckpointError(f"{rng_file} is missing: the checkpoint is damaged")
+            raise CheckpointCorruptError(f"{rng_file} is missing: the checkpoint is damaged")
         else:
             restore_rng_state(torch.load(rng_file, weights_only=False))
             rng_restored = True
@@ -588,4 +697,54 @@ def load_checkpoint(
         scheduler_loaded=scheduler_loaded,
         rng_restored=rng_restored,
         notes=notes,
+    )
+
+
+def _try_read_metadata(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    try:
+        return read_metadata(path), None
+    except (FileNotFoundError, ValueError) as err:
+        return None, str(err)
+
+
+def load_latest_checkpoint(
+    root: PathLike,
+    models: Sequence[torch.nn.Module],
+    optimizer: Any = None,
+    scheduler: Any = None,
+    *,
+    required_state: Sequence[str] = (),
+) -> Optional[LoadedCheckpoint]:
+    """Resume: load the newest intact checkpoint under `root`; collective. None when there is none at all.
+
+    Candidates are tried in `layout.resume_candidates` order (the target of `latest`, then newest
+    first); a damaged one (see `verify_checkpoint`) is passed over, and why goes into the result's
+    `skipped` and `notes`, as do a `latest` that cannot be followed and step directories that are
+    not complete. Raises NoIntactCheckpointError, listing every checkpoint and what is wrong with
+    it, when checkpoints exist but none is intact. Errors that are not damage (the checkpoint does
+    not fit this model, optimizer or layout) are raised, not passed over: an older checkpoint would
+    silently lose the progress since.
+    """
+    root = Path(root)
+    candidates, remarks = _rank0_then_share(lambda: resume_candidates(root), f"listing checkpoints in {root}")
+    skipped: list[str] = []
+    for path in candidates:
+        metadata, unreadable = _rank0_then_share(lambda: _try_read_metadata(path), f"reading {path / METADATA_FILE}")
+        if unreadable is not None:  # vanished or damaged since it was listed
+            skipped.append(f"{path}: {unreadable}")
+            continue
+        checked = verify_checkpoint(path, metadata, required_state=required_state)
+        if checked.problems:
+            skipped.append(_damage_report(path, checked.problems))
+            continue
+        loaded = load_checkpoint(path, models, optimizer, scheduler, verify=False, required_state=required_state)
+        loaded.skipped = skipped
+        loaded.notes = remarks + [f"skipped {s}" for s in skipped] + checked.notes + loaded.notes
+        return loaded
+    if not candidates and not remarks:
+        return None
+    raise NoIntactCheckpointError(
+        f"no intact checkpoint to resume from in {root}:\n  "
+        + "\n  ".join(remarks + skipped)
+        + "\nRemove the damaged directories (or restore them from a copy), or start afresh with --overwrite"
     )

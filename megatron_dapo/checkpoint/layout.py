@@ -9,7 +9,9 @@ Pure Python (no torch): `find_latest` and friends work in any process, before an
       .tmp-step_00000060/         a save in progress, or one that crashed: never read
 
     step_00000050/
-      metadata.json               written LAST: its presence marks the checkpoint complete
+      metadata.json               written LAST: its presence marks the checkpoint complete; holds the
+                                  step, layout, optimizer format and every other file's size and
+                                  checksum ("files", see integrity.py)
       dist/                       Megatron distributed checkpoint (torch_dist): model, optimizer,
                                   scheduler (dist/metadata.json is Megatron's own format marker)
       rng/rank_00000.pt           per-rank RNG states (python, numpy, torch, CUDA, Megatron tracker)
@@ -19,7 +21,9 @@ Pure Python (no torch): `find_latest` and friends work in any process, before an
 A save writes everything into `.tmp-<name>`, then renames it to `<name>` and replaces `latest`
 (write a temporary file, then `os.replace`), so a crash at any point leaves the previous checkpoint
 and `latest` as they were. The pointer is the source of truth; scanning the step directories is
-the fallback when it is missing or names a directory that is gone.
+the fallback when it is missing, unreadable or names a directory that is gone or incomplete
+(`resume_candidates` says which, for the message; `core.load_latest_checkpoint` also passes over
+checkpoints whose files fail their checks).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "copy_hf_side_files",
     "find_latest",
     "fsync_dir",
+    "inspect_latest_pointer",
     "is_complete_checkpoint",
     "list_checkpoints",
     "parse_step_dir",
@@ -52,6 +57,7 @@ __all__ = [
     "read_metadata",
     "remove_stale_temp_dirs",
     "resolve_checkpoint_dir",
+    "resume_candidates",
     "step_dir_name",
     "write_latest_pointer",
 ]
@@ -120,11 +126,36 @@ def list_checkpoints(root: PathLike) -> list[tuple[int, Path]]:
 
 
 def read_latest_pointer(root: PathLike) -> Optional[str]:
-    """The directory name in `<root>/latest`, or None when there is no pointer file."""
+    """The step directory name in `<root>/latest`; None when there is no pointer file or it holds
+    anything but a step directory name (`inspect_latest_pointer` says what)."""
+    name, _ = inspect_latest_pointer(root)
+    return name
+
+
+def inspect_latest_pointer(root: PathLike) -> tuple[Optional[str], Optional[str]]:
+    """(name, problem) of `<root>/latest`: the step directory it names, or None, and why it cannot be
+    followed (None when it can, or when there is no pointer at all)."""
     path = Path(root) / LATEST_FILE
     if not path.is_file():
-        return None
-    return path.read_text().strip() or None
+        return None, None
+    raw = path.read_bytes()[:200]
+    text = raw.decode("utf-8", errors="replace").strip()
+    if parse_step_dir(text) is None:
+        return None, f"{path} does not name a checkpoint directory (it holds {raw[:40]!r}): ignored"
+    target = Path(root) / text
+    if not target.is_dir():
+        return text, f"{path} names {text}, which does not exist: ignored"
+    if not is_complete_checkpoint(target):
+        return text, f"{path} names {text}, which is not a complete checkpoint ({_why_incomplete(target)}): ignored"
+    return text, None
+
+
+def _why_incomplete(path: Path) -> str:
+    try:
+        read_metadata(path)
+    except (FileNotFoundError, ValueError) as err:
+        return str(err)
+    return f"it has no {DIST_DIR}/ directory"
 
 
 def find_latest(root: PathLike) -> Optional[Path]:
@@ -134,12 +165,34 @@ def find_latest(root: PathLike) -> Optional[Path]:
     names a pruned / damaged directory) the complete step directory with the highest step.
     Incomplete `.tmp-*` directories are never returned.
     """
+    candidates, _ = resume_candidates(root)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(root: PathLike) -> tuple[list[Path], list[str]]:
+    """The complete checkpoints under `root` in the order to try them, and remarks on what was passed over.
+
+    Order: the target of `latest` when it is complete, then the other complete step directories,
+    newest first. Remarks name a `latest` that cannot be followed (garbage, a missing or incomplete
+    directory) and every `step_*` directory that is not a complete checkpoint (its metadata.json is
+    missing or damaged). Temp directories of saves in progress or crashed are passed over silently.
+    """
     root = Path(root)
-    name = read_latest_pointer(root)
-    if name is not None and parse_step_dir(name) is not None and is_complete_checkpoint(root / name):
-        return root / name
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+    if not root.is_dir():
+        return [], []
+    name, problem = inspect_latest_pointer(root)
+    remarks = [problem] if problem else []
+    complete = list_checkpoints(root)
+    ordered = [path for _, path in reversed(complete)]
+    if name is not None and problem is None:
+        ordered.remove(root / name)
+        ordered.insert(0, root / name)
+    listed = {path.name for path in ordered}
+    for child in sorted(root.iterdir(), reverse=True):
+        if parse_step_dir(child.name) is not None and child.is_dir() and child.name not in listed:
+            if child.name != name:  # already named in the pointer's remark
+                remarks.append(f"{child} is not a complete checkpoint ({_why_incomplete(child)}): skipped")
+    return ordered, remarks
 
 
 def resolve_checkpoint_dir(path: PathLike) -> Path:

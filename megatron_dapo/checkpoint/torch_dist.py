@@ -7,8 +7,15 @@ synchronous save. Spawn re-imports the `__main__` module, which re-runs any laun
 an `if __name__ == "__main__"` guard, and on our CPU machines the forked writer died and the save
 hung. `InProcessTorchDistSaveStrategy` translates the sharded state dict exactly as Megatron does
 (same key grouping, same MCore -> PyTorch tensor translation, same MCore save planner) and hands it
-to PyTorch's own synchronous `FileSystemWriter`, in this process. The files are the same torch_dist
-format (DCP `.metadata` + `*.distcp`), read back by Megatron's unchanged loader.
+to PyTorch's own synchronous `FileSystemWriter`, in this process, with `threads` writer threads
+(one file each: `__<rank>_<n>.distcp`). The files are the same torch_dist format (DCP `.metadata` +
+`*.distcp`), read back by Megatron's unchanged loader.
+
+With `parallel_group` (the data-parallel group), the strategy is wrapped in Megatron's
+`FullyParallelSaveStrategyWrapper`, as Megatron-LM's trainer does (`--ckpt-fully-parallel-save`):
+tensors replicated over that group (the weights, the non-distributed optimizer's state) are written
+once, by the replica the wrapper picks so that every rank writes about the same number of bytes,
+instead of all by DP rank 0.
 
 Loading: `check_against_checkpoint` compares a requested sharded state dict with what the
 checkpoint holds (keys and global shapes, read from the DCP metadata alone) and raises one error
@@ -25,6 +32,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from megatron.core import dist_checkpointing
+
+from megatron_dapo.config import ConfigError
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -33,6 +42,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 __all__ = [
+    "CheckpointLayoutError",
     "CheckpointMismatchError",
     "InProcessTorchDistSaveStrategy",
     "check_against_checkpoint",
@@ -42,8 +52,16 @@ __all__ = [
 ]
 
 
-class CheckpointMismatchError(ValueError):
-    """The checkpoint cannot be loaded into the objects given (missing keys, different shapes)."""
+class CheckpointMismatchError(ConfigError):
+    """The checkpoint cannot be loaded into the objects given (missing keys, different shapes).
+
+    A `ConfigError`: the command line reports it in one line (the checkpoint or the model named is the
+    wrong one), without a traceback."""
+
+
+class CheckpointLayoutError(CheckpointMismatchError):
+    """A checkpoint whose optimizer state is tied to its parallel layout (`dp_reshardable`) was asked
+    for at another TP / PP / VPP layout, or with other gradient buckets."""
 
 
 def _build_strategy_class():
@@ -62,12 +80,15 @@ def _build_strategy_class():
     class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         """Megatron's torch_dist save, written synchronously by this process (see module doc)."""
 
+        writer_threads = 1
+        """Files (and threads) per rank; set by `save_sharded`."""
+
         def save(self, sharded_state_dict, checkpoint_dir: Union[str, Path]) -> None:
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
             dcp.save(
                 pyt_state_dict,
-                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=self.writer_threads),
                 planner=MCoreSavePlanner(
                     dedup_replicated_tensors=not self.keep_only_main_replica,
                     flatten_state_dict=False,
@@ -81,9 +102,24 @@ def _build_strategy_class():
 InProcessTorchDistSaveStrategy = _build_strategy_class()
 
 
-def save_sharded(sharded_state_dict: dict, directory: Union[str, os.PathLike]) -> None:
-    """`dist_checkpointing.save` into an existing empty `directory` (collective over all ranks)."""
-    strategy = InProcessTorchDistSaveStrategy("torch_dist", 1) if InProcessTorchDistSaveStrategy else None
+def save_sharded(
+    sharded_state_dict: dict, directory: Union[str, os.PathLike], *, threads: int = 1, parallel_group: Any = None
+) -> None:
+    """`dist_checkpointing.save` into an existing empty `directory` (collective over all ranks).
+
+    `threads`: writer threads (and files) per rank. `parallel_group`: spread the writing of tensors
+    replicated over this process group across its ranks (Megatron's fully parallel save); None: the
+    main replica (DP rank 0) writes them.
+    """
+    strategy = None
+    if InProcessTorchDistSaveStrategy is not None:
+        strategy = InProcessTorchDistSaveStrategy("torch_dist", 1)
+        strategy.writer_threads = max(1, int(threads))
+        if parallel_group is not None:
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+            # Positional: (strategy, group, do_cache_distribution) in megatron-core 0.16 and 0.19.
+            strategy = FullyParallelSaveStrategyWrapper(strategy, parallel_group, False)
     dist_checkpointing.save(sharded_state_dict, str(directory), sharded_strategy=strategy)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import torch
 
@@ -131,25 +132,36 @@ def _rng_draw() -> list[float]:
     return [random.random(), float(np.random.rand()), float(torch.rand(()).item())]
 
 
-def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, local_root: str) -> dict:
+def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, local_root: str, dp_root: str,
+                   dp4_root: str) -> dict:
     """Steps 1-2 (saving after each, keep_last=1), steps 3-4 (reference), then a save that fails mid-way.
 
-    Before training, a model-only checkpoint (no optimizer / scheduler) goes to `weights_root`.
-    Afterwards the same run with the non-distributed optimizer saves step 2 to `local_root`.
+    `root` gets fully_reshardable checkpoints (resumable at any layout), `dp_root` dp_reshardable ones
+    of the same steps (keep_last=0: the corruption test falls back to step 1). Before training, a
+    model-only checkpoint (no optimizer / scheduler) goes to `weights_root`. Afterwards the same run
+    with the non-distributed optimizer saves step 2 to `local_root`; then a run at TP=PP=1 (DP=4)
+    saves step 2 dp_reshardable to `dp4_root` (resumed at DP=1 by `resume_then_crash`).
     """
+    from megatron.core import parallel_state as ps
+
     from megatron_dapo.checkpoint import core
     from megatron_dapo.checkpoint.core import CheckpointError, save_checkpoint
+    from megatron_dapo.distributed import teardown
 
     out = {}
     with reporting(out):
         ctx, models, optimizer, scheduler = setup(model_dir, layout)
+        out["dp_rank"] = ps.get_data_parallel_rank()
         save_checkpoint(weights_root, 0, models)
         losses = {}
         for step in (1, 2):
             losses[step] = train_step(models, optimizer, scheduler, step)
             save_checkpoint(root, step, models, optimizer, scheduler, keep_last=1, hf_dir=model_dir,
                             trainer_state={"next_step": step + 1, "losses": dict(losses)},
-                            config={"layout": layout, "lr": LR})  # fmt: skip
+                            config={"layout": layout, "lr": LR}, optimizer_format="fully_reshardable")  # fmt: skip
+            save_checkpoint(dp_root, step, models, optimizer, scheduler, hf_dir=model_dir,
+                            trainer_state={"next_step": step + 1, "losses": dict(losses)},
+                            config={"layout": layout, "lr": LR}, optimizer_format="dp_reshardable")  # fmt: skip
         out["rng_after_save"] = _rng_draw()
         for step in (3, 4):
             losses[step] = train_step(models, optimizer, scheduler, step)
@@ -177,17 +189,31 @@ def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, l
         out["local_losses"] = local_losses
         out["rank"] = ctx.rank
 
+        teardown(keep_process_group=True)
+        _, models, optimizer, scheduler = setup(model_dir, {"tp": 1, "pp": 1})
+        dp4_losses = {}
+        for step in (1, 2, 3, 4):
+            dp4_losses[step] = train_step(models, optimizer, scheduler, step)
+            if step == 2:
+                save_checkpoint(dp4_root, step, models, optimizer, scheduler, optimizer_format="dp_reshardable")
+        out["dp4_losses"] = dp4_losses
 
-def resume_then_crash(model_dir: str, root: str) -> None:
-    """Single process (TP=PP=DP=1): resume from `root`, one step, then die half-way through saving step 3."""
+
+def resume_then_crash(model_dir: str, root: str, dp4_root: str) -> None:
+    """Single process (TP=PP=DP=1): resume from `root`, one step; resume the DP=4 dp_reshardable
+    checkpoint in `dp4_root` (a DP-only change), two steps; then die half-way through saving step 3."""
     from megatron_dapo.checkpoint import core
     from megatron_dapo.checkpoint.core import load_checkpoint, save_checkpoint
     from torchrun_utils import write_rank_result
 
-    _, models, optimizer, scheduler = setup(model_dir, {"tp": 1, "pp": 1})
+    ctx, models, optimizer, scheduler = setup(model_dir, {"tp": 1, "pp": 1})
     loaded = load_checkpoint(root, models, optimizer, scheduler)
     loss3 = train_step(models, optimizer, scheduler, 3)
-    write_rank_result({"step": loaded.step, "loss3": loss3, "notes": loaded.notes, "rng_restored": loaded.rng_restored})
+    dp_models, dp_optimizer, dp_scheduler = build_training(model_dir, ctx.layout, load_hf=False)
+    dp_loaded = load_checkpoint(dp4_root, dp_models, dp_optimizer, dp_scheduler)
+    dp_losses = {step: train_step(dp_models, dp_optimizer, dp_scheduler, step) for step in (3, 4)}
+    write_rank_result({"step": loaded.step, "loss3": loss3, "notes": loaded.notes, "rng_restored": loaded.rng_restored,
+                       "dp4_step": dp_loaded.step, "dp4_losses": dp_losses, "dp4_optimizer_loaded": dp_loaded.optimizer_loaded})  # fmt: skip
 
     def die(directory, metadata):
         os._exit(17)  # the process vanishes: no exception handler, no clean-up
@@ -196,13 +222,40 @@ def resume_then_crash(model_dir: str, root: str) -> None:
     save_checkpoint(root, 3, models, optimizer, scheduler, keep_last=1)
 
 
-def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, weights_only_dir: str, local_root: str) -> None:
-    """For each layout: fresh model + optimizer, load the latest checkpoint, steps 3-4. Then error cases.
+def _corrupt_copy(source: str, target: str) -> str:
+    """Rank 0: copy the checkpoint root `source` to `target` and write 4 KiB of garbage into the middle
+    of one data file of its newest checkpoint (rank 1's); every rank returns the file's name."""
+    import shutil
 
-    A layout with "distributed_optimizer": False resumes the non-distributed run from `local_root`.
+    import torch.distributed as dist
+
+    from megatron_dapo.checkpoint.layout import find_latest
+
+    if dist.get_rank() == 0:
+        shutil.copytree(source, target)
+        victim = sorted((find_latest(target) / "dist").glob("__1_*.distcp"), key=lambda p: p.stat().st_size)[-1]
+        with open(victim, "r+b") as handle:
+            handle.seek(victim.stat().st_size // 2)
+            handle.write(random.Random(0).randbytes(4096))
+        name = f"{victim.parent.parent.name}/dist/{victim.name}"
+    else:
+        name = None
+    box = [name]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, weights_only_dir: str, local_root: str,
+                   dp_root: str) -> None:
+    """For each layout: fresh model + optimizer, load the latest checkpoint, the steps after it up to 4.
+    Then error cases.
+
+    A layout's "source": "root" (fully_reshardable, the default), "local" (the non-distributed run in
+    `local_root`), "dp" (dp_reshardable, `dp_root`) or "dp_corrupt" (a copy of `dp_root` whose newest
+    checkpoint has garbage in one file: `load_latest_checkpoint` must fall back to the one before).
     """
-    from megatron_dapo.checkpoint.core import load_checkpoint
-    from megatron_dapo.checkpoint.torch_dist import CheckpointMismatchError
+    from megatron_dapo.checkpoint.core import load_checkpoint, load_latest_checkpoint
+    from megatron_dapo.checkpoint.torch_dist import CheckpointLayoutError, CheckpointMismatchError
     from megatron_dapo.distributed import teardown
 
     out: dict = {"layouts": {}}
@@ -211,11 +264,19 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
             if index:
                 teardown(keep_process_group=True)
             ctx, models, optimizer, scheduler = setup(
-                model_dir, spec, distributed_optimizer=spec.get("distributed_optimizer", True), load_hf=False
+                model_dir, spec, distributed_optimizer=spec.get("source") != "local", load_hf=False
             )
-            source = root if spec.get("distributed_optimizer", True) else local_root
-            loaded = load_checkpoint(source, models, optimizer, scheduler, load_optimizer=spec.get("load_optimizer", True))
+            source = {"local": local_root, "dp": dp_root}.get(spec.get("source"), root)
+            corrupted = None
+            if spec.get("source") == "dp_corrupt":
+                source = str(Path(dp_root).parent / "dp_corrupt")
+                corrupted = _corrupt_copy(dp_root, source)
+                loaded = load_latest_checkpoint(source, models, optimizer, scheduler)
+            else:
+                loaded = load_checkpoint(source, models, optimizer, scheduler, load_optimizer=spec.get("load_optimizer", True))
             entry = {
+                "corrupted": corrupted,
+                "skipped": loaded.skipped,
                 "step": loaded.step,
                 "path": str(loaded.path),
                 "rng_restored": loaded.rng_restored,
@@ -227,7 +288,7 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
                 "config": loaded.metadata.get("config"),
                 "losses": {},
             }
-            for step in (3, 4):
+            for step in range(loaded.step + 1, 5):
                 entry["losses"][step] = train_step(models, optimizer, scheduler, step)
             out["layouts"][spec["name"]] = entry
 
@@ -250,4 +311,131 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
             load_checkpoint(root, models, optimizer)
         except CheckpointMismatchError as err:
             errors["optimizer_kind"] = str(err)
+        # dp_reshardable state saved at TP=1 x PP=2 asked for at this layout (TP=2 x PP=1).
+        models, optimizer, _ = build_training(model_dir, ctx.layout, load_hf=False)
+        try:
+            load_checkpoint(dp_root, models, optimizer)
+        except CheckpointLayoutError as err:
+            errors["dp_layout"] = str(err)
+        errors["dp_weights_only_step"] = load_checkpoint(dp_root, models, optimizer, load_optimizer=False).step
         out["errors"] = errors
+
+
+# ------------------------------------------------------------------ damaged checkpoints (one process)
+
+
+def _largest_distcp(checkpoint: Path) -> Path:
+    return max((checkpoint / "dist").glob("*.distcp"), key=lambda p: (p.stat().st_size, p.name))
+
+
+def _garbage_inside(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size // 2)
+        handle.write(random.Random(1).randbytes(4096))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size // 2)
+
+
+def _strip_checksums(checkpoint: Path) -> None:
+    import json
+
+    meta_file = checkpoint / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta.pop("files"), meta.pop("checksum")
+    meta["format_version"] = 1
+    meta_file.write_text(json.dumps(meta))
+
+
+def _damage(case: str, root: Path) -> str:
+    """Damage the copy `root` (steps 1 and 2) as `case` says; returns what was damaged."""
+    step1, step2 = root / "step_00000001", root / "step_00000002"
+    if case == "garbage_in_distcp":
+        victim = _largest_distcp(step2)
+        _garbage_inside(victim)
+    elif case == "truncated_distcp":
+        victim = _largest_distcp(step2)
+        _truncate(victim)
+    elif case == "garbage_latest":
+        victim = root / "latest"
+        victim.write_bytes(random.Random(2).randbytes(64))
+    elif case == "bad_trainer_state":
+        victim = step2 / "trainer_state.json"
+        victim.write_text('{"step": 2, "sampler": ')
+    elif case == "missing_common_pt":
+        victim = step2 / "dist" / "common.pt"
+        if not victim.exists():
+            return "absent"  # megatron-core 0.19 keeps the common state inside the .distcp files
+        victim.unlink()
+    elif case == "latest_to_missing_dir":
+        victim = root / "latest"
+        victim.write_text("step_00000009\n")
+    elif case == "missing_metadata_json":
+        victim = step2 / "metadata.json"
+        victim.unlink()
+    elif case == "old_format_missing_common_pt":  # a checkpoint written before checksums existed
+        _strip_checksums(step2)
+        victim = step2 / "dist" / "common.pt"
+        if not victim.exists():
+            return "absent"
+        victim.unlink()
+    elif case == "all_damaged":
+        for step in (step1, step2):
+            _truncate(_largest_distcp(step))
+        return "both"
+    elif case == "intact":
+        return "nothing"
+    else:
+        raise ValueError(case)
+    return victim.relative_to(root).as_posix()
+
+
+def damaged_checkpoints(model_dir: str, root: str, work: str, cases: list) -> dict:
+    """One process: steps 1-2 saved dp_reshardable (trainer state with step and sampler), step 3 the
+    reference; then for each case a copy of `root` damaged that way, resumed into fresh models with
+    `load_latest_checkpoint`, and the step after the loaded one trained (its loss proves what loaded).
+    Then a damaged checkpoint named directly (`load_checkpoint`, with and without `verify`)."""
+    import shutil
+
+    from megatron_dapo.checkpoint.core import load_checkpoint, load_latest_checkpoint, save_checkpoint
+
+    ctx, models, optimizer, scheduler = setup(model_dir, {"tp": 1, "pp": 1})
+    out: dict = {"losses": {}, "cases": {}, "direct": {}}
+    for step in (1, 2, 3):
+        out["losses"][step] = train_step(models, optimizer, scheduler, step)
+        if step < 3:
+            save_checkpoint(root, step, models, optimizer, scheduler, trainer_state={"step": step, "sampler": {"at": step}})
+    for case in cases:
+        target = Path(work) / case
+        shutil.copytree(root, target)
+        entry: dict = {"damaged": _damage(case, target)}
+        fresh = build_training(model_dir, ctx.layout, load_hf=False)
+        try:
+            loaded = load_latest_checkpoint(target, *fresh, required_state=("step", "sampler"))
+            entry.update(step=loaded.step, skipped=loaded.skipped, notes=loaded.notes)
+            entry["next_loss"] = train_step(*fresh, loaded.step + 1)
+        except Exception as err:  # what the test asserts on: the type and the message
+            entry["error"] = f"{type(err).__name__}: {err}"
+            entry["error_types"] = [c.__name__ for c in type(err).__mro__]
+        out["cases"][case] = entry
+
+    target = Path(work) / "direct"
+    shutil.copytree(root, target)
+    common = target / "step_00000002" / "dist" / "common.pt"
+    if common.exists():
+        common.unlink()
+    else:
+        out["direct"]["missing_common"] = "absent"
+    _garbage_inside(_largest_distcp(target / "step_00000001"))
+    for name, path, verify in (("missing_common", target / "step_00000002", False), ("corrupt", target / "step_00000001", True)):
+        if name in out["direct"]:
+            continue
+        fresh = build_training(model_dir, ctx.layout, load_hf=False)
+        try:
+            load_checkpoint(path, fresh[0], fresh[1], fresh[2], verify=verify)
+            out["direct"][name] = "loaded"
+        except Exception as err:
+            out["direct"][name] = f"{type(err).__name__}: {err}"
+    return out

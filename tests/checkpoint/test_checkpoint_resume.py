@@ -2,17 +2,21 @@
 
 Three launches on the tiny untied Qwen2 (see _train_worker.py for the training loop):
 1. 4 processes at TP=1 x PP=2 x DP=2: a model-only save (no optimizer) to another root, then
-   steps 1-2 saving after each (keep_last=1), steps 3-4
-   (the uninterrupted reference losses), then a save at step 4 that raises while writing
-   metadata.json on rank 0; then the same 4 steps with the non-distributed optimizer, saving
-   step 2 to a third root.
-2. 1 plain process (TP=PP=DP=1): resume from the latest checkpoint, step 3, then `os._exit`
-   half-way through saving step 3 (no clean-up runs).
+   steps 1-2 saving after each in both optimizer formats (fully_reshardable to `root` with
+   keep_last=1, dp_reshardable to `dp_root`), steps 3-4 (the uninterrupted reference losses), then
+   a save at step 4 that raises while writing metadata.json on rank 0; then the same 4 steps with
+   the non-distributed optimizer, saving step 2 to a third root; then 4 steps at TP=PP=1 x DP=4
+   saving step 2 dp_reshardable.
+2. 1 plain process (TP=PP=DP=1): resume from the latest checkpoint, step 3; resume the DP=4
+   dp_reshardable checkpoint (DP changes 4 -> 1), steps 3-4; then `os._exit` half-way through saving
+   step 3 (no clean-up runs).
 3. 4 processes, fresh models and optimizers: resume at the saving layout, at TP=2 x DP=2, at
    TP=2 x PP=2 x DP=1, and (negative control) weights only; the same for a run with the
-   non-distributed optimizer (same layout, TP=2 x DP=2); run steps 3-4; then error cases
-   (another model's shapes, optimizer state requested from the model-only checkpoint, distributed
-   optimizer state into a non-distributed optimizer).
+   non-distributed optimizer (same layout, TP=2 x DP=2); the dp_reshardable checkpoint at its
+   layout, and a copy of it with garbage in one file of step 2 (resume falls back to step 1); run
+   the steps after the checkpoint; then error cases (another model's shapes, optimizer state
+   requested from the model-only checkpoint, distributed optimizer state into a non-distributed
+   optimizer, dp_reshardable state at another TP / PP).
 
 Tolerances: at the saving layout the resumed losses are bit-identical to the uninterrupted run
 (asserted to 1e-6); at other layouts TP / DP reductions change the float32 summation order and
@@ -39,8 +43,10 @@ RESUME_LAYOUTS = [
     {"name": "tp2_dp2", "tp": 2, "pp": 1},
     {"name": "tp2_pp2_dp1", "tp": 2, "pp": 2},
     {"name": "weights_only", "tp": 1, "pp": 2, "load_optimizer": False},
-    {"name": "local_same", "tp": 1, "pp": 2, "distributed_optimizer": False},
-    {"name": "local_tp2_dp2", "tp": 2, "pp": 1, "distributed_optimizer": False},
+    {"name": "dp_same", "tp": 1, "pp": 2, "source": "dp"},
+    {"name": "dp_fallback", "tp": 1, "pp": 2, "source": "dp_corrupt"},
+    {"name": "local_same", "tp": 1, "pp": 2, "source": "local"},
+    {"name": "local_tp2_dp2", "tp": 2, "pp": 1, "source": "local"},
 ]
 
 
@@ -52,9 +58,10 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(tiny_model_dirs, root):
     result = run_torchrun_function(
-        WORKER, "train_and_save", nproc=4, timeout=300,
+        WORKER, "train_and_save", nproc=4, timeout=480,
         kwargs={"model_dir": str(tiny_model_dirs["qwen2"]), "root": str(root), "layout": SAVE_LAYOUT,
-                "weights_root": str(root.parent / "weights_only"), "local_root": str(root.parent / "local")},
+                "weights_root": str(root.parent / "weights_only"), "local_root": str(root.parent / "local"),
+                "dp_root": str(root.parent / "dp"), "dp4_root": str(root.parent / "dp4")},
     )  # fmt: skip
     result.check()
     listing = sorted(p.name for p in root.iterdir())
@@ -65,7 +72,7 @@ def trained(tiny_model_dirs, root):
 def crashed(tiny_model_dirs, root, trained):
     result = run_torchrun_function(
         WORKER, "resume_then_crash", nproc=1, use_torchrun=False, timeout=300,
-        kwargs={"model_dir": str(tiny_model_dirs["qwen2"]), "root": str(root)},
+        kwargs={"model_dir": str(tiny_model_dirs["qwen2"]), "root": str(root), "dp4_root": str(root.parent / "dp4")},
     )  # fmt: skip
     return result
 
@@ -73,10 +80,10 @@ def crashed(tiny_model_dirs, root, trained):
 @pytest.fixture(scope="module")
 def resumed(tiny_model_dirs, root, crashed):
     result = run_torchrun_function(
-        WORKER, "resume_layouts", nproc=4, timeout=420,
+        WORKER, "resume_layouts", nproc=4, timeout=540,
         kwargs={"model_dir": str(tiny_model_dirs["qwen2"]), "root": str(root), "layouts": RESUME_LAYOUTS,
                 "qwen3_dir": str(tiny_model_dirs["qwen3"]), "weights_only_dir": str(root.parent / "weights_only"),
-                "local_root": str(root.parent / "local")},
+                "local_root": str(root.parent / "local"), "dp_root": str(root.parent / "dp")},
     )  # fmt: skip
     result.check()
     return result.rank_results
@@ -163,3 +170,99 @@ def test_clear_errors_when_the_checkpoint_does_not_fit(resumed):
     assert "holds no optimizer state" in errors["no_optimizer_state"] and "load_optimizer=False" in errors["no_optimizer_state"]
     assert errors["weights_only_step"] == 0  # the model-only checkpoint loads with load_optimizer=False
     assert "distributed optimizer but this run uses a local one" in errors["optimizer_kind"]
+
+
+# ------------------------------------------------------------------ dp_reshardable, spread saves, checksums
+
+
+def _bytes_per_rank(checkpoint: Path) -> tuple[dict[int, int], dict[int, int]]:
+    """(all tensor bytes, optimizer-state bytes) each rank wrote, from DCP's index of the checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    total: dict[int, int] = {}
+    optimizer: dict[int, int] = {}
+    for index, info in FileSystemReader(str(checkpoint / "dist")).read_metadata().storage_data.items():
+        rank = int(info.relative_path.split("_")[2])
+        total[rank] = total.get(rank, 0) + info.length
+        if index.fqn.startswith("optimizer."):
+            optimizer[rank] = optimizer.get(rank, 0) + info.length
+    return total, optimizer
+
+
+def test_dp_reshardable_save_is_spread_over_the_data_parallel_ranks(trained, root):
+    """Item 4: the fully_reshardable save funnels all optimizer state through DP rank 0; the
+    dp_reshardable one has every rank write its own optimizer shard, and the fully parallel save
+    shares the weights out so that every rank writes about as much, in 2 files (writer threads) each."""
+    results, _ = trained
+    dp_rank = {rank: r["dp_rank"] for rank, r in enumerate(results)}
+    assert sorted(dp_rank.values()) == [0, 0, 1, 1]
+    fully_total, fully_optimizer = _bytes_per_rank(root / "step_00000002")
+    spread_total, spread_optimizer = _bytes_per_rank(root.parent / "dp" / "step_00000002")
+    for rank in range(4):
+        assert len(list((root.parent / "dp" / "step_00000002" / "dist").glob(f"__{rank}_*.distcp"))) == 2
+    assert all(fully_optimizer.get(r, 0) == 0 for r in range(4) if dp_rank[r] == 1), fully_optimizer
+    assert all(fully_optimizer[r] > 0 for r in range(4) if dp_rank[r] == 0), fully_optimizer
+    assert min(spread_optimizer.values()) > 0.8 * max(spread_optimizer.values()) and len(spread_optimizer) == 4, spread_optimizer
+    assert min(spread_total.values()) > 0.8 * max(spread_total.values()), spread_total
+    # The same optimizer state in the end (dp_reshardable adds the padding between parameters).
+    assert 0.95 < sum(spread_optimizer.values()) / sum(fully_optimizer.values()) < 1.1, (spread_optimizer, fully_optimizer)
+
+
+def test_every_file_has_a_correct_checksum(trained, root):
+    import zlib
+
+    for checkpoint in (root / "step_00000002", root.parent / "dp" / "step_00000002"):
+        meta = json.loads((checkpoint / "metadata.json").read_text())
+        files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
+        assert sorted(meta["files"]) == [f for f in files if f != "metadata.json"]
+        algorithm = meta["checksum"]
+        for rel, entry in meta["files"].items():
+            data = (checkpoint / rel).read_bytes()
+            if algorithm == "crc32":
+                expected = zlib.crc32(data)
+            else:
+                google_crc32c = pytest.importorskip("google_crc32c")
+                expected = google_crc32c.value(data)
+            assert entry == {"bytes": len(data), algorithm: f"{expected:08x}"}, rel
+
+
+def test_dp_reshardable_resumes_exactly_at_its_layout(resumed, trained):
+    reference = trained[0][0]["losses"]
+    for rank, result in enumerate(resumed):
+        entry = result["layouts"]["dp_same"]
+        assert entry["step"] == 2 and entry["optimizer_loaded"] and entry["scheduler_loaded"] and entry["rng_restored"]
+        for step in ("3", "4"):
+            assert abs(entry["losses"][step] - reference[step]) <= SAME_LAYOUT_TOL, (rank, step, entry["losses"], reference)
+
+
+def test_dp_reshardable_resumes_at_another_data_parallel_size(crashed, trained):
+    """Saved at DP=4, loaded in one process (DP=1, same TP / PP): the optimizer state reshards over DP."""
+    reference = trained[0][0]["dp4_losses"]
+    result = crashed.rank_results[0]
+    assert result["dp4_step"] == 2 and result["dp4_optimizer_loaded"]
+    for step in ("3", "4"):
+        assert abs(result["dp4_losses"][step] - reference[step]) <= OTHER_LAYOUT_TOL, (step, result, reference)
+
+
+def test_dp_reshardable_at_another_layout_is_a_named_error(resumed):
+    errors = resumed[0]["errors"]
+    message = errors["dp_layout"]
+    assert "dp_reshardable" in message and "tp 1 -> 2" in message and "pp 2 -> 1" in message, message
+    assert "fully reshardable" in message and "weights only" in message
+    assert errors["dp_weights_only_step"] == 2  # its weights load at any layout
+
+
+def test_resume_falls_back_from_a_corrupt_checkpoint_under_torchrun(resumed, trained):
+    """4 KiB of garbage inside one data file of step 2 (DP=2 under torchrun): every rank skips step 2,
+    names the file, and continues from step 1 exactly like the uninterrupted run."""
+    reference = trained[0][0]["losses"]
+    for rank, result in enumerate(resumed):
+        entry = result["layouts"]["dp_fallback"]
+        assert entry["step"] == 1 and entry["path"].endswith("step_00000001")
+        assert len(entry["skipped"]) == 1, entry["skipped"]
+        corrupted = entry["corrupted"]  # "step_00000002/dist/__1_<n>.distcp"
+        assert "step_00000002" in entry["skipped"][0] and corrupted.split("/", 1)[1] in entry["skipped"][0]
+        assert "is corrupt" in entry["skipped"][0]
+        assert any(n.startswith("skipped ") for n in entry["notes"])
+        for step in ("2", "3", "4"):
+            assert abs(entry["losses"][step] - reference[step]) <= SAME_LAYOUT_TOL, (rank, step, entry["losses"], reference)

@@ -3,7 +3,7 @@
 - a 2-task job through slurm/common.sh: `srun` starts both ranks, resolve_launch_env reads SLURM's
   variables, init_distributed meets over gloo and an all_reduce sums both ranks' values;
 - SIGTERM sent the way `#SBATCH --signal=TERM@N` sends it reaches every task, not the batch shell;
-- a restarted (requeued) job resumes when, and only when, a checkpoint exists;
+- a restarted (requeued) job resumes when, and only when, a checkpoint exists (else starts over);
 - the 7B / 32B scripts, with only their resource lines changed, run up to the launch, where the
   batch shell's config check stops an impossible layout before any rank starts;
 - the demo script runs the doctor on both tasks, then trains 2 steps over 2 gloo processes and
@@ -157,7 +157,8 @@ def test_sigterm_reaches_every_task_not_the_batch_shell(slurm_cluster, tmp_path)
 
 def test_requeued_job_resumes_only_from_an_existing_checkpoint(slurm_cluster, tmp_path):
     """A real `scontrol requeue`: the restarted job (SLURM_RESTART_COUNT=1) passes --resume to the
-    trainer because a checkpoint exists; without one (or on a first run) it does not."""
+    trainer because a checkpoint exists; without one it passes --overwrite (its first attempt's logs
+    would make the trainer refuse the directory), and a first run passes neither."""
     out = tmp_path / "out"
     script = _write_job(
         tmp_path / "resume.sbatch",
@@ -187,7 +188,7 @@ def test_requeued_job_resumes_only_from_an_existing_checkpoint(slurm_cluster, tm
     assert cases == {
         "first-run": f"{base} trainer.output_dir={out}",
         "explicit": f"{base} --resume trainer.output_dir={out}",
-        "restart-without-checkpoint": f"{base} trainer.output_dir={out}",
+        "restart-without-checkpoint": f"{base} --overwrite trainer.output_dir={out}",
         "after-requeue": f"{base} --resume trainer.output_dir={out}",
     }, job.describe()
     assert "resuming from " + str(out / "checkpoints" / "step_000002") in job.output()
