@@ -295,6 +295,8 @@ MEGATRON_CORE = Requirement(
         Probe("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler"),
         Probe(_DIST_CKPT, fields=("save", "load")),
         Probe(f"{_DIST_CKPT}.core", "CheckpointingConfig"),
+        # Periodic dp_reshardable saves: every DP rank writes its own part (checkpoint/core.py).
+        Probe(f"{_DIST_CKPT}.strategies.fully_parallel", "FullyParallelSaveStrategyWrapper"),
         Probe(f"{_DIST_CKPT}.core", "save_config"),
         Probe(f"{_DIST_CKPT}.dict_utils", "nested_values"),
         *(
