@@ -6,6 +6,9 @@
         sync(...)
     ledger.allocated_bytes, ledger.peak_live_bytes, ledger.top_ops()
 
+    with weight_path_ledger() as ledger:   # the export and vLLM's own loading paused
+        sync_weights(...)
+
 A `TorchDispatchMode` sees every ATen operation of this thread while it is active. An operation's
 output is a new allocation when it is not a view or an in-place/out= result (its storage is none of
 the inputs'); its bytes are the storage's. A weak reference to each storage (not to the tensor:
@@ -30,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageLedger"]
+__all__ = ["StorageLedger", "weight_path_ledger"]
 
 
 def _storage_key(tensor: torch.Tensor):
@@ -91,6 +94,21 @@ class StorageLedger(TorchDispatchMode):
 
         return wrapper
 
+    @contextlib.contextmanager
+    def pausing(self, owner: Any, name: str, returns_iterator: bool = False) -> Iterator[None]:
+        """Within the block, the function `owner.<name>` runs paused (and the iterator it returns
+        produces its items paused). Restored afterwards."""
+        original = getattr(owner, name)
+        if returns_iterator:
+            wrapped = functools.wraps(original)(lambda *args, **kwargs: self.paused_iter(original(*args, **kwargs)))
+        else:
+            wrapped = self.paused_call(original)
+        setattr(owner, name, wrapped)
+        try:
+            yield
+        finally:
+            setattr(owner, name, original)
+
     def top_ops(self, count: int = 5) -> list[tuple[str, int]]:
         """The operations that allocated the most bytes: [(op name, bytes)]."""
         return self.by_op.most_common(count)
@@ -137,3 +155,24 @@ class StorageLedger(TorchDispatchMode):
 def _tensors(*trees: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(trees)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def weight_path_ledger() -> Iterator[StorageLedger]:
+    """An active ledger that counts what a weight push allocates between the actor's export and
+    vLLM's own loading, both paused: the export streams (`weight_sync._iter_engine_shards`,
+    `model.load.export_megatron_to_hf`: the per-tensor transforms a push needs on any device) and,
+    in this process, vLLM's loaders, layer-wise reload and commit (`VLLMWorkerExtension._mdapo_load`,
+    `_mdapo_finish_weight_update`: the engine's own work on its parameters' device)."""
+    from megatron_dapo.model import load
+    from megatron_dapo.rollout import weight_sync
+    from megatron_dapo.rollout.vllm_worker import VLLMWorkerExtension
+
+    ledger = StorageLedger()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ledger.pausing(weight_sync, "_iter_engine_shards", returns_iterator=True))
+        stack.enter_context(ledger.pausing(load, "export_megatron_to_hf", returns_iterator=True))
+        stack.enter_context(ledger.pausing(VLLMWorkerExtension, "_mdapo_load"))
+        stack.enter_context(ledger.pausing(VLLMWorkerExtension, "_mdapo_finish_weight_update"))
+        with ledger:
+            yield ledger

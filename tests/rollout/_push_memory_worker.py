@@ -1,10 +1,9 @@
 """Worker of test_push_memory.py: what a weight push allocates between the actor's export and vLLM's loader.
 
-Two ranks, a TP=2 actor of a Qwen2 model many times larger than a bucket. Each push runs under a
-`StorageLedger` with the export stream (`weight_sync._iter_engine_shards`, `export_megatron_to_hf`)
-and the engine's own loading (`VLLMWorkerExtension._mdapo_load`: vLLM's loaders and layer-wise
-reload; `_mdapo_finish_weight_update`: its commit) paused, so the ledger counts exactly
-what the weight path between them allocates: bucket copies, full-shape buffers, staging. Pushes:
+Two ranks, a TP=2 actor of a Qwen2 model many times larger than a bucket. Each push runs under
+`storage_ledger.weight_path_ledger`: the export stream and the engine's own loading (vLLM's loaders,
+layer-wise reload and commit) paused, so the ledger counts exactly what the weight path between
+them allocates: bucket copies, full-shape buffers, staging. Pushes:
 
 1. spmd placement, TP=2 engine in the ranks' own processes, mode tp_shards (each rank its slices);
 2. the same engine, mode gather (full tensors, every rank);
@@ -44,24 +43,11 @@ def _differ(engine, expected: dict) -> list[str]:
 
 
 def _measured(push) -> tuple[dict, object]:
-    """Run `push` under a ledger with the export and the engine's loader paused."""
-    from megatron_dapo.model import load
-    from megatron_dapo.rollout import weight_sync
-    from megatron_dapo.rollout.storage_ledger import StorageLedger
-    from megatron_dapo.rollout.vllm_worker import VLLMWorkerExtension
+    """Run `push` under a ledger with the export and the engine's own loading paused."""
+    from megatron_dapo.rollout.storage_ledger import weight_path_ledger
 
-    worker = VLLMWorkerExtension
-    originals = (weight_sync._iter_engine_shards, load.export_megatron_to_hf, worker._mdapo_load, worker._mdapo_finish_weight_update)
-    ledger = StorageLedger()
-    weight_sync._iter_engine_shards = lambda *a, **k: ledger.paused_iter(originals[0](*a, **k))
-    load.export_megatron_to_hf = lambda *a, **k: ledger.paused_iter(originals[1](*a, **k))
-    worker._mdapo_load = ledger.paused_call(originals[2])  # vLLM's loaders and its layer-wise reload
-    worker._mdapo_finish_weight_update = ledger.paused_call(originals[3])  # ... and its commit
-    try:
-        with ledger:
-            stats = push()
-    finally:
-        weight_sync._iter_engine_shards, load.export_megatron_to_hf, worker._mdapo_load, worker._mdapo_finish_weight_update = originals
+    with weight_path_ledger() as ledger:
+        stats = push()
     return ledger.summary(), stats
 
 
