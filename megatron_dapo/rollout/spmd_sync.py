@@ -91,8 +91,9 @@ class PlacedSlice(torch.Tensor):
 
     It has no memory of its own. Slicing it (`narrow`, `[a:b]`) inside the slice's extent along
     `dim` returns a view of the slice; slicing along another dimension gives a `PlacedSlice` of the
-    sliced slice; metadata (shape, dtype, device, numel) are the full tensor's. Any other operation
-    raises, naming it: an engine loader that reads the whole tensor must get a real one.
+    sliced slice, and so does `.to(device / dtype)` (only the slice is copied); metadata (shape,
+    dtype, device, numel) are the full tensor's. Any other operation raises, naming it: an engine
+    loader that reads the whole tensor must get a real one.
     """
 
     @staticmethod
@@ -117,6 +118,8 @@ class PlacedSlice(torch.Tensor):
         placed = args[0]
         if func in (aten.detach.default, aten.alias.default):
             return PlacedSlice(func(placed.piece), placed.dim_, placed.start, placed.shape)
+        if func is aten._to_copy.default:  # `.to(device / dtype)`: only the slice moves
+            return PlacedSlice(func(placed.piece, **kwargs), placed.dim_, placed.start, placed.shape)
         if func is aten.slice.Tensor:
             return placed._slice(*args[1:], **kwargs)
         raise NotImplementedError(

@@ -155,7 +155,8 @@ def test_placed_slice_serves_the_loaders_narrow_and_refuses_anything_else():
         placed.narrow(0, 2, 3)  # another rank's rows
     with pytest.raises(NotImplementedError, match="must only narrow it"):
         placed.sum()
-    with pytest.raises(NotImplementedError, match="must only narrow it"):
-        placed.to(torch.float64)
+    converted = placed.to(torch.float64)  # (a bucket moved to the engine's device): only the slice is copied
+    assert isinstance(converted, PlacedSlice) and converted.dtype == torch.float64 and converted.shape == (8, 4)
+    assert torch.equal(converted.narrow(0, 3, 3), piece.double())
     with pytest.raises(ValueError, match="cannot sit at 6"):
         PlacedSlice(piece, 0, 6, (8, 4))
