@@ -40,6 +40,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.rollout.bucketing import reserve_file_space
 from megatron_dapo.rollout.weight_sync import EngineShard
 from megatron_dapo.safetensors_format import safetensors_header
 
@@ -74,18 +75,11 @@ def write_shards_into_bucket_file(path: Path, shards: Sequence[EngineShard], tp_
     total = len(prefix) + (spans[-1][1] if spans else 0)
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.ftruncate(descriptor, total)  # the same size on every rank: idempotent
-        try:  # reserve the pages now: a full /dev/shm raises here instead of killing us with SIGBUS later
-            if hasattr(os, "posix_fallocate"):  # Linux; elsewhere a full disk shows at the first write
-                os.posix_fallocate(descriptor, 0, total)
-        except OSError as error:
-            free = shutil.disk_usage(os.path.dirname(path) or ".").free
-            raise OSError(
-                error.errno,
-                f"cannot reserve {total / 2**20:.0f} MiB for a weight bucket in {os.path.dirname(path)} "
-                f"({free / 2**20:.0f} MiB free): lower rollout.weight_sync_bucket_mb, give the container more shared "
-                "memory (docker --shm-size) or use rollout.weight_sync_mode=gather",
-            ) from error
+        # The same size on every rank (idempotent); a full /dev/shm raises here, not SIGBUS later.
+        reserve_file_space(
+            descriptor, total, path,
+            "lower rollout.weight_sync_bucket_mb, give the container more shared memory (docker --shm-size) or use rollout.weight_sync_mode=gather",
+        )  # fmt: skip
         if tp_rank == 0:
             os.pwrite(descriptor, prefix, 0)
         mapped = mmap.mmap(descriptor, total)

@@ -71,7 +71,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
-from megatron_dapo.rollout.bucketing import iter_buckets, write_safetensors
+from megatron_dapo.rollout.bucketing import bucket_device, iter_buckets, write_safetensors
 from megatron_dapo.rollout.vllm_io import collect_outputs, vllm_sampling_kwargs
 from megatron_dapo.versions import require as require_version
 
@@ -278,11 +278,16 @@ class VLLMEngine(RolloutEngine):
         be complete within it: a fused layer missing a part (up_proj without gate_proj) keeps its
         previous weights and the commit raises. If a worker fails to load a bucket (e.g. an
         unknown tensor name) the update is closed and the error raised.
-        SPMD: the tensors go to this rank's worker in-process; its loaders take this rank's slice.
+        SPMD: the tensors go to this rank's worker in-process, on its parameters' device (no copy
+        when they are there already: the GPU push never touches host memory); its loaders take this
+        rank's slice. Leader: each bucket is written from the tensors' own device into a file in
+        /dev/shm, which the workers read (`bucketing.bucket_device`).
         """
         self._weights_awake_llm()
-        for bucket in iter_buckets(weights, self._bucket_bytes):
-            if self.placement == "spmd":
+        in_process = self.placement == "spmd"
+        device = bucket_device(in_process, self._engine_parameter_device() if in_process else None)
+        for bucket in iter_buckets(weights, self._bucket_bytes, device=device, contiguous=False):
+            if in_process:
                 self._load("mdapo_load_weights", bucket)
                 continue
             path = self._transfer_dir / "bucket.safetensors"
@@ -292,6 +297,14 @@ class VLLMEngine(RolloutEngine):
                 self.load_weights_file(path)
             finally:
                 path.unlink(missing_ok=True)
+
+    def _engine_parameter_device(self) -> torch.device:
+        """SPMD: the device of this rank's engine parameters (asked once)."""
+        device = getattr(self, "_parameter_device", None)
+        if device is None:
+            (name,) = self._rpc("mdapo_parameter_device")
+            device = self._parameter_device = torch.device(name)
+        return device
 
     def load_weights_file(self, path: str | os.PathLike) -> None:
         """Load the HF-named tensors of a safetensors file that vLLM's workers can read (e.g. in /dev/shm).

@@ -14,7 +14,8 @@ gate_up_proj - may be split across them: vLLM buffers a layer's parts until it i
 driver closes it ("commits"). Committing also re-packs a tied LM head: vLLM processes a tied
 weight only through the embedding, so on CPU the LM head would keep its old packed copy.
 Tensors arrive as safetensors bucket files (leader placement: `collective_rpc` arguments cross a
-process boundary as plain lists otherwise) or, in-process, as tensors.
+process boundary as plain lists otherwise) or, in-process, as tensors on the parameters' device
+(TP slices as full-shape `spmd_sync.PlacedSlice`s, which the loaders narrow to their rows).
 
 Reading weights back (`mdapo_export_weights`). On GPU vLLM keeps its weights in checkpoint layout,
 fused and TP-sharded; we split them back into HF names. On CPU, linear layers keep no readable
@@ -37,7 +38,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from megatron_dapo.rollout.bucketing import host_tensor, write_safetensors
+from megatron_dapo.rollout.bucketing import write_safetensors
 
 # Rows of the identity fed at once when reading a packed CPU linear weight back (bounds memory).
 _IDENTITY_CHUNK = 1024
@@ -124,6 +125,12 @@ class VLLMWorkerExtension:
         return count
 
     @_reported
+    def mdapo_parameter_device(self) -> str:
+        """The device of this worker's model parameters (where in-process weight buckets are held)."""
+        parameter = next(self._mdapo_model().parameters(), None)
+        return str(parameter.device) if parameter is not None else "cpu"
+
+    @_reported
     def mdapo_tensor_parallel_ranks(self) -> list[int]:
         """Global ranks of this worker's vLLM TP group, in TP-rank order (SPMD: the trainer's world)."""
         from vllm.distributed import get_tp_group
@@ -192,7 +199,7 @@ class VLLMWorkerExtension:
         layout: dict[str, list] = {}
         with torch.no_grad():
             for name, tensor, shard_dim, replicas in _iter_hf_named_shards(self._mdapo_model()):
-                tensors.append((name, host_tensor(tensor)))
+                tensors.append((name, tensor))  # written from its own device into the file
                 layout[name] = [shard_dim, replicas]
         write_safetensors(Path(directory) / f"tp{tp_rank}.safetensors", tensors)
         return {"tp_rank": tp_rank, "layout": layout}
