@@ -8,13 +8,12 @@ groups created and the model loaded.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dapo.config import Config, ConfigError, validate_model_shape
+from megatron_dapo.config import Config, ConfigError, read_model_config, validate_model_shape
 
 @dataclass
 class Runtime:
@@ -34,28 +33,21 @@ class Runtime:
 def preflight(cfg: Config, world_size: int, *, needs_data: bool = True) -> str:
     """Every check that needs no model, before any process group exists. Returns the layout text.
 
-    Raises `ConfigError` naming the key to change.
+    Raises `ConfigError` naming the key (or the file) to change.
     """
     from megatron_dapo.distributed.layout import ParallelLayout
 
+    check_reward_function(cfg)  # user code: the first thing that can fail, so it fails first
     hf_dir = cfg.model.hf_dir
     if not hf_dir:
         raise ConfigError("'model.hf_dir' is empty: point it at a HuggingFace model directory (config.json, weights, tokenizer)")
     config_file = Path(hf_dir) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"'model.hf_dir'={hf_dir} is not an HF model directory (no config.json there)")
-    hf_json = json.loads(config_file.read_text())
+    hf_json = read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
     validate_model_shape(cfg, hf_json)
+    check_model_files(cfg)
     cfg.resolve_world(world_size)
-    dp = cfg.parallel.dp
-    t = cfg.trainer
-    if t.gen_batch_size % dp:
-        raise ConfigError(
-            f"'trainer.gen_batch_size'={t.gen_batch_size} prompts cannot be split evenly over {dp} data-parallel "
-            f"replicas: use a multiple of {dp}"
-        )
-    if t.train_batch_size % dp:
-        raise ConfigError(f"'trainer.train_batch_size'={t.train_batch_size} is not divisible by {dp} data-parallel replicas")
     if cfg.model.megatron_checkpoint and not Path(cfg.model.megatron_checkpoint).exists():
         raise ConfigError(f"'model.megatron_checkpoint'={cfg.model.megatron_checkpoint} does not exist")
     if needs_data:
@@ -67,6 +59,56 @@ def preflight(cfg: Config, world_size: int, *, needs_data: bool = True) -> str:
                     raise ConfigError(f"'data.{key}' names {path}, which does not exist")
     layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.cp, world_size)
     return layout.describe(int(hf_json.get("num_hidden_layers", 0)) or None)
+
+
+# Files a transformers tokenizer is built from; without any of them `AutoTokenizer` (transformers 5)
+# quietly builds an EMPTY tokenizer, and the run failed much later on prompts of zero tokens.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+
+
+def check_model_files(cfg: Config) -> None:
+    """The tokenizer files are there, and the weights read at start (`model.hf_dir`'s safetensors,
+    unless `model.megatron_checkpoint` replaces them) are complete by their headers."""
+    from megatron_dapo.model.hf_config import ModelFileError
+    from megatron_dapo.model.hf_weights import check_weight_files
+
+    hf_dir = Path(cfg.model.hf_dir)
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"'model.hf_dir'={hf_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+            "files of the model there (they come with the model on the HuggingFace hub)"
+        )
+    if cfg.model.megatron_checkpoint:
+        return  # the weights come from the checkpoint; hf_dir gives the config and tokenizer
+    try:
+        check_weight_files(hf_dir)
+    except FileNotFoundError as error:
+        raise ConfigError(f"'model.hf_dir'={hf_dir}: {error} (the model's weights are needed at start)") from None
+    except ModelFileError as error:
+        raise ConfigError(f"'model.hf_dir': {error}") from None
+
+
+def check_tokenizer(tokenizer: Any, hf_dir: str) -> None:
+    """A tokenizer that turns text into no tokens was built from nothing: name the files, not the prompts."""
+    if len(tokenizer) <= 1 or not tokenizer("1 + 1 = 2", add_special_tokens=False)["input_ids"]:
+        raise ConfigError(
+            f"the tokenizer loaded from 'model.hf_dir'={hf_dir} is empty ({len(tokenizer)} token(s)): its tokenizer "
+            f"files ({', '.join(TOKENIZER_FILES[:3])}, ...) are missing or broken; copy them from the model's source"
+        )
+
+
+def check_reward_function(cfg: Config) -> None:
+    """Import `reward.custom_function` now (ConfigError naming the key, the file and the error), so that a
+    wrong path, an import error or a syntax error stops the job before the model loads."""
+    custom = cfg.reward.custom_function
+    if custom.path is None:
+        return
+    from megatron_dapo.reward.loader import load_reward_function
+
+    try:
+        load_reward_function(custom.path, custom.name)
+    except (ValueError, ImportError) as error:
+        raise ConfigError(str(error)) from None
 
 
 def launch_world_size() -> int:
@@ -90,6 +132,7 @@ def start(cfg: Config, *, needs_data: bool = True, say=print) -> Runtime:
     if is_logging_rank():
         say(f"[megatron-dapo] {world_size} process(es), backend {ctx.backend}, device {ctx.device.type}\n{layout_text}")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    check_tokenizer(tokenizer, cfg.model.hf_dir)
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers: pad with EOS (padding never enters a loss)
         tokenizer.pad_token = tokenizer.eos_token
     hf_config = read_hf_config(cfg.model.hf_dir)
