@@ -3,12 +3,16 @@
 Order matters and is the point of this module: every check that can fail without a model (config
 against the world size and the model's config.json, data files, output directory) runs before
 anything heavy, on every rank, and prints the resolved parallel layout; only then are the process
-groups created and the model loaded.
+groups created and the model loaded. A run that then fills its disk ends with one message
+(`stop_on_full_disk`), not with the traceback of every writer it broke.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -182,3 +186,84 @@ def write_resolved_config(cfg: Config, output_dir: Path) -> Optional[Path]:
     path = output_dir / "config.yaml"
     atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg))))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk: one message instead of every writer's traceback
+# ---------------------------------------------------------------------------------------------
+
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# PyTorch's zip writer reports a short write as "[enforce fail at inline_container.cc:...] unexpected
+# pos N vs M" and loses the errno: on a local disk that is a full disk (or a quota).
+_SHORT_WRITE_MARKERS = ("unexpected pos",)
+_NEARLY_FULL_BYTES = 16 * 2**20
+
+
+class DiskFullError(OSError):
+    """Writing the run's output failed for lack of space (ENOSPC, a quota, PyTorch's short write)."""
+
+
+def _exception_chain(error: BaseException) -> list[BaseException]:
+    """`error`, its causes and contexts, and the per-rank errors a torch.distributed.checkpoint
+    `CheckpointException` carries (its `failures`: rank -> exception or (exception, traceback))."""
+    seen: list[BaseException] = []
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        pending += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for value in failures.values():
+                pending.append(value[0] if isinstance(value, tuple) and value else value)
+    return [e for e in seen if isinstance(e, BaseException)]
+
+
+def _free_bytes(directory: Path) -> Optional[int]:
+    for candidate in (directory, *directory.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def disk_full_error(error: BaseException, output_dir: os.PathLike | str) -> Optional[DiskFullError]:
+    """A `DiskFullError` saying what to do when `error` (or anything it carries) is a write that
+    failed for lack of space under `output_dir`, else None.
+
+    Looks for ENOSPC / EDQUOT anywhere in the chain (the metrics file, a checkpoint writer on another
+    thread, the plot), and for PyTorch's short-write error when the disk of `output_dir` is (nearly)
+    full now: the first failure and everything it broke on the way out are one problem."""
+    directory = Path(output_dir)
+    chain = _exception_chain(error)
+    no_space = next((e for e in chain if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS), None)
+    free = _free_bytes(directory)
+    if no_space is None:
+        short_write = any(marker in str(e) for e in chain for marker in _SHORT_WRITE_MARKERS)
+        if not (short_write and free is not None and free < _NEARLY_FULL_BYTES):
+            return None
+    what = "no space left" if no_space is None or no_space.errno == errno.ENOSPC else "disk quota exceeded"
+    where = f" (writing {no_space.filename})" if no_space is not None and no_space.filename else ""
+    left = "" if free is None else f"; {free / 2**20:.1f} MiB free now"
+    return DiskFullError(
+        errno.ENOSPC,
+        f"{what} on the disk of trainer.output_dir={directory}{where}{left}. Free some space or set "
+        "trainer.output_dir to a larger disk (moving the directory there), then continue with --resume: it "
+        "starts from the last complete checkpoint (an interrupted save is never used)",
+    )
+
+
+@contextmanager
+def stop_on_full_disk(output_dir: os.PathLike | str):
+    """Turn a failure caused by a full disk under `output_dir` into one `DiskFullError` (see
+    `disk_full_error`); any other error passes unchanged."""
+    try:
+        yield
+    except Exception as error:
+        full = disk_full_error(error, output_dir)
+        if full is None:
+            raise
+        raise full from None

@@ -154,7 +154,7 @@ class DAPOTrainer:
                 samples = self._generate_batch(len(generated))
                 generated.append(samples)
                 metric = filter_metric(samples, cfg.algorithm.filter_groups.metric)
-                self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid)
+                self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid, failures=samples.reward_error)
         sampling_stats = self.buffer.stats
         train = Samples.from_fields(self.buffer.take())
         # 2. Group-normalised advantages over the whole train batch (identical on every rank).
