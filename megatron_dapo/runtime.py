@@ -193,10 +193,9 @@ def write_resolved_config(cfg: Config, output_dir: Path) -> Optional[Path]:
 # ---------------------------------------------------------------------------------------------
 
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# PyTorch's zip writer reports a short write as "[enforce fail at inline_container.cc:...] unexpected
-# pos N vs M" and loses the errno: on a local disk that is a full disk (or a quota).
+# PyTorch's zip writer (torch.save) reports a short write as "[enforce fail at inline_container.cc:...]
+# unexpected pos N vs M" and loses the errno: a full disk or a quota.
 _SHORT_WRITE_MARKERS = ("unexpected pos",)
-_NEARLY_FULL_BYTES = 16 * 2**20
 
 
 class DiskFullError(OSError):
@@ -235,16 +234,14 @@ def disk_full_error(error: BaseException, output_dir: os.PathLike | str) -> Opti
     failed for lack of space under `output_dir`, else None.
 
     Looks for ENOSPC / EDQUOT anywhere in the chain (the metrics file, a checkpoint writer on another
-    thread, the plot), and for PyTorch's short-write error when the disk of `output_dir` is (nearly)
-    full now: the first failure and everything it broke on the way out are one problem."""
+    thread, the plot) and for PyTorch's short-write error: the first failure and everything it broke
+    on the way out are one problem."""
     directory = Path(output_dir)
     chain = _exception_chain(error)
     no_space = next((e for e in chain if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS), None)
+    if no_space is None and not any(marker in str(e) for e in chain for marker in _SHORT_WRITE_MARKERS):
+        return None
     free = _free_bytes(directory)
-    if no_space is None:
-        short_write = any(marker in str(e) for e in chain for marker in _SHORT_WRITE_MARKERS)
-        if not (short_write and free is not None and free < _NEARLY_FULL_BYTES):
-            return None
     what = "no space left" if no_space is None or no_space.errno == errno.ENOSPC else "disk quota exceeded"
     where = f" (writing {no_space.filename})" if no_space is not None and no_space.filename else ""
     left = "" if free is None else f"; {free / 2**20:.1f} MiB free now"
@@ -262,7 +259,9 @@ def stop_on_full_disk(output_dir: os.PathLike | str):
     `disk_full_error`); any other error passes unchanged."""
     try:
         yield
-    except Exception as error:
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         full = disk_full_error(error, output_dir)
         if full is None:
             raise

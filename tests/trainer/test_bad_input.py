@@ -133,8 +133,8 @@ def test_changed_data_seed_on_resume_says_how_to_resume_or_start_fresh(demo_work
     first = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, out),
                     "trainer.total_steps=1", "trainer.save_every=1")  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, out), "--resume",
-                   "trainer.total_steps=2", "data.seed=2")  # fmt: skip
+    proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, out),
+                   "trainer.total_steps=2", "data.seed=2", "--resume")  # fmt: skip
     _assert_one_clean_error(
         proc, 2, "megatron-dapo: error: cannot resume the prompt order", "data.seed is 2 but was 1",
         "To resume, set them back", "run without --resume in a new trainer.output_dir",
@@ -171,3 +171,44 @@ def test_config_command_world_size_and_skipped_checks(capsys):
     proc = _config_command(capsys, str(CONFIG), "parallel.tp=3", "--world-size", "3")
     assert proc.returncode == 0, proc.stderr
     assert "note: 'model.hf_dir' is empty, so the model-shape checks" in proc.stderr
+
+
+def test_disk_full_is_recognised_through_the_chain_of_what_it_broke(tmp_path):
+    """The first failed write is often buried: under the plot that failed next in a `finally`, or
+    inside torch.distributed.checkpoint's CheckpointException (a BaseException carrying each rank's
+    error), or as torch.save's short-write RuntimeError that lost its errno."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_dapo.runtime import DiskFullError, disk_full_error, stop_on_full_disk
+
+    def chained(first: BaseException, then: BaseException) -> BaseException:
+        try:
+            try:
+                raise first
+            except BaseException:
+                raise then
+        except BaseException as error:
+            return error
+
+    enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "metrics.jsonl"))
+    full = disk_full_error(chained(enospc, ValueError("plot failed")), tmp_path)
+    assert isinstance(full, DiskFullError) and full.errno == errno.ENOSPC
+    assert f"no space left on the disk of trainer.output_dir={tmp_path} (writing {tmp_path / 'metrics.jsonl'})" in full.strerror
+    assert "MiB free now" in full.strerror and "--resume" in full.strerror
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert disk_full_error(CheckpointException("save", {0: (short_write, None)}), tmp_path) is not None
+    quota = disk_full_error(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
+    assert quota is not None and "disk quota exceeded" in quota.strerror
+    assert disk_full_error(chained(KeyError("x"), RuntimeError("NaN in the loss")), tmp_path) is None
+
+    with pytest.raises(DiskFullError):
+        with stop_on_full_disk(tmp_path):
+            raise CheckpointException("save", {0: (enospc, None)})
+    with pytest.raises(RuntimeError, match="NaN in the loss"):  # anything else passes unchanged
+        with stop_on_full_disk(tmp_path):
+            raise RuntimeError("NaN in the loss")
+    with pytest.raises(SystemExit):
+        with stop_on_full_disk(tmp_path):
+            raise SystemExit(143)
