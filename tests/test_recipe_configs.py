@@ -121,6 +121,9 @@ def test_recipe_fits_80gb_gpus_and_quotes_the_planner(name):
     ]
     for line in expected_lines:
         assert line in text, line
+    # Every host-memory figure the comments quote is the planner's (not only one of them).
+    quoted_host = re.findall(r"host memory ([\d.]+) GiB per GPU, ([\d.]+) GiB per node", text)
+    assert quoted_host and set(quoted_host) == {(f"{r.host_per_gpu / mp.GIB:.2f}", f"{r.host_per_node / mp.GIB:.2f}")}, quoted_host
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
