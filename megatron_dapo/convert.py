@@ -236,11 +236,12 @@ _SAFETENSORS_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "
 def _stored_hf_dtype(reader) -> "torch.dtype":
     """The dtype of the HF weights, read from a safetensors header (no tensor is loaded)."""
     import torch
-    from safetensors import safe_open
+
+    from megatron_dapo.model.hf_weights import open_safetensors
 
     names = reader.names()
     name = next((n for n in names if n.endswith("embed_tokens.weight")), names[0])
-    with safe_open(str(reader.hf_dir / reader.file_of(name)), framework="pt") as handle:
+    with open_safetensors(reader.hf_dir / reader.file_of(name)) as handle:
         code = handle.get_slice(name).get_dtype()
     if code not in _SAFETENSORS_TO_TORCH:
         raise ConversionError(f"HF weights are stored as {code}: pass --dtype {' / '.join(DTYPES)}")
@@ -253,11 +254,11 @@ def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
     HFWeightReader keeps the current shard memory-mapped; the pages it touched would stay resident
     until the next shard, adding up to a whole shard to the converter's footprint.
     """
-    from safetensors import safe_open
+    from megatron_dapo.model.hf_weights import open_safetensors
 
     if name not in reader:
         raise ConversionError(f"{reader.hf_dir} lacks tensor {name!r} (is the checkpoint complete?)")
-    with safe_open(str(reader.hf_dir / reader.file_of(name)), framework="pt") as handle:
+    with open_safetensors(reader.hf_dir / reader.file_of(name)) as handle:
         return handle.get_tensor(name)
 
 
@@ -294,14 +295,15 @@ def convert_hf_to_megatron(
     from megatron_dapo.checkpoint.core import make_metadata
     from megatron_dapo.checkpoint.layout import DIST_DIR, HF_DIR, METADATA_FILE, copy_hf_side_files
     from megatron_dapo.checkpoint.streaming import LazyChunk, LazyChunkedTensor, write_streaming
-    from megatron_dapo.model.hf_weights import HFWeightReader
+    from megatron_dapo.model.hf_weights import HFWeightReader, check_weight_files
     from megatron_dapo.model.mapping import ModelShape
 
     start = time.monotonic()
     hf_dir, output = Path(hf_dir), Path(output)
     cfg = _check_hf_dir(hf_dir)
     layout = _validate_layout(cfg, tp, pp, vpp)
-    reader = HFWeightReader(hf_dir)  # fails early on a directory without weights
+    check_weight_files(hf_dir)  # a truncated or overwritten shard is named now, not after half the layers
+    reader = HFWeightReader(hf_dir)
     out_dtype = _torch_dtype(dtype) or _stored_hf_dtype(reader)
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConversionError(f"HF weights are {out_dtype}: pass --dtype {' / '.join(DTYPES)}")

@@ -83,10 +83,16 @@ def _tool(name: str):
         ("tp3", "parallel.tp=3 does not divide model num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
         ("pp3", "parallel.pp=3 does not divide model num_hidden_layers=4"),
         ("non_empty_output", "is not empty: choose another one or pass --overwrite"),
+        ("truncated_weights", "bytes but its header describes"),
     ],
 )
 def test_hf_to_megatron_errors(case, message, tiny_model_dirs, not_a_model, tmp_path, capsys):
     hf_dir, output, extra = tiny_model_dirs["qwen2"], tmp_path / "out", []
+    if case == "truncated_weights":  # a copy cut short: named from the header, before anything is written
+        import shutil
+
+        hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "cut"))
+        os.truncate(hf_dir / "model.safetensors", (hf_dir / "model.safetensors").stat().st_size - 1000)
     if case == "missing_dir":
         hf_dir = tmp_path / "missing"
     elif case == "no_config":
