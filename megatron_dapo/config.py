@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import types
 import typing
@@ -377,15 +376,65 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 
 def _load_yaml(path: str | os.PathLike):
+    import yaml
     from omegaconf import OmegaConf
 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    loaded = OmegaConf.load(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    # The YAML parser's own errors are tracebacks that bury the line; and OmegaConf's message for a
+    # repeated key does not say which section it is in. Parse the structure first to say both.
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_error_message(path, exc)) from None
+    for key, first, again in _duplicate_keys(root):
+        raise ConfigError(
+            f"config file {path} line {again}: key '{key}' is given twice (first on line {first}); keep one of them"
+        )
+    try:
+        loaded = OmegaConf.create(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_error_message(path, exc)) from None
     if not isinstance(loaded, type(OmegaConf.create({}))):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
     return loaded
+
+
+def _yaml_error_message(path: Path, exc: Exception) -> str:
+    """'config file F line L, column C: <what the parser found> (<context>)' from a PyYAML error."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
+        problem += f" ({context} on line {context_mark.line + 1})"
+    elif context:
+        problem += f" ({context})"
+    return f"config file {path}{where}: invalid YAML: {problem}; check the indentation, brackets and quotes there"
+
+
+def _duplicate_keys(node, prefix: str = ""):
+    """(dotted key, first line, repeated line) for every key given twice in one YAML mapping."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else key_node.start_mark.line
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                yield f"{prefix}{key}", seen[key], line
+            else:
+                seen[key] = line
+            yield from _duplicate_keys(value_node, f"{prefix}{key}.")
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            yield from _duplicate_keys(item, f"{prefix.rstrip('.')}[{index}].")
 
 
 def _check_key_path(key: str) -> None:
@@ -637,7 +686,42 @@ def validate(cfg: Config) -> None:
     if cfg.model.hf_dir:
         model_config = Path(cfg.model.hf_dir) / "config.json"
         if model_config.is_file():
-            validate_model_shape(cfg, json.loads(model_config.read_text()))
+            validate_model_shape(cfg, read_model_config(cfg.model.hf_dir))
+
+
+def read_model_config(hf_dir: str) -> dict:
+    """`model.hf_dir`'s config.json as a dict, refused (ConfigError naming the file and the key) when
+    it is not valid JSON or describes an architecture this trainer cannot run: the same check and
+    message as `megatron-dapo convert` (`model.hf_config.read_hf_config`)."""
+    from megatron_dapo.model.hf_config import ModelFileError, UnsupportedModelError, load_config_json, read_hf_config
+
+    try:
+        raw = load_config_json(hf_dir)
+        read_hf_config(raw)
+    except ModelFileError as exc:
+        raise ConfigError(f"'model.hf_dir'={hf_dir}: {exc}") from None
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"'model.hf_dir'={hf_dir} holds a model this trainer cannot run: {exc}") from None
+    return raw
+
+
+def skipped_model_checks(cfg: Config) -> Optional[str]:
+    """Why the model-shape checks (heads vs TP, layers vs PP x VPP, architecture) did not run, or None
+    when they did: `megatron-dapo config` says so instead of passing a layout it could not check."""
+    hf_dir = cfg.model.hf_dir
+    if not hf_dir:
+        reason = "'model.hf_dir' is empty"
+    elif not Path(hf_dir).is_dir():
+        reason = f"'model.hf_dir'={hf_dir} does not exist here"
+    elif not (Path(hf_dir) / "config.json").is_file():
+        reason = f"'model.hf_dir'={hf_dir} has no config.json"
+    else:
+        return None
+    return (
+        f"{reason}, so the model-shape checks (architecture, attention heads vs parallel.tp, layers vs "
+        "parallel.pp x parallel.vpp) were skipped; set model.hf_dir to the HuggingFace model directory to run "
+        "them (train and sft require it)"
+    )
 
 
 def validate_model_shape(cfg: Config, hf_config: dict) -> None:
@@ -674,6 +758,11 @@ def validate_model_shape(cfg: Config, hf_config: dict) -> None:
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the number of processes (pre-flight, before any model loads)."""
     p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
+    _require(
+        isinstance(world_size, int) and world_size >= 1,
+        f"world size {world_size!r}: a run needs at least one process (--world-size, or the number of processes "
+        "torchrun / srun launch, must be >= 1)",
+    )
     model_parallel = p.tp * p.pp * p.cp
     _require(
         world_size % model_parallel == 0,
@@ -699,3 +788,13 @@ def validate_world(cfg: Config, world_size: int) -> None:
             f"each data-parallel rank gets {sequences // dp} sequences per mini-batch, not a multiple of "
             f"'trainer.micro_batch_size'={t.micro_batch_size}: change it to a divisor of {sequences // dp}",
         )
+    _require(
+        t.gen_batch_size % dp == 0,
+        f"'trainer.gen_batch_size'={t.gen_batch_size} prompts cannot be split evenly over {dp} data-parallel "
+        f"replicas: use a multiple of {dp}",
+    )
+    _require(
+        t.train_batch_size % dp == 0,
+        f"'trainer.train_batch_size'={t.train_batch_size} is not divisible by {dp} data-parallel replicas: "
+        f"use a multiple of {dp}",
+    )

@@ -33,6 +33,7 @@ import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
@@ -110,16 +111,48 @@ def _torch_dtype(name: Optional[str]):
     return getattr(torch, name)
 
 
-def _prepare_output(output: Path, overwrite: bool) -> None:
-    """Refuse a non-empty output directory unless `overwrite` (then empty it)."""
+def _check_output(output: Path, overwrite: bool) -> None:
+    """Refuse a non-empty output directory unless `overwrite` (it is replaced only once the new one is complete)."""
     if output.exists() and not output.is_dir():
         raise ConversionError(f"output {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()):
-        if not overwrite:
-            raise ConversionError(f"output directory {output} is not empty: choose another one or pass --overwrite")
-        for child in output.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-    output.mkdir(parents=True, exist_ok=True)
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ConversionError(f"output directory {output} is not empty: choose another one or pass --overwrite")
+
+
+_STAGING = ".tmp-"
+
+
+@contextmanager
+def _atomic_output(output: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling of `output` to write into, renamed to `output` when the body finishes.
+
+    Like the training checkpoints: a conversion that fails (bad input found late, a full disk, a
+    failed logits check, Ctrl-C) removes its partial files and leaves `output` as it was (absent,
+    empty, or with --overwrite the previous content), never an empty or half-written directory.
+    """
+    from megatron_dapo.checkpoint.layout import fsync_dir
+
+    _check_output(output, overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for stale in output.parent.glob(f".{output.name}{_STAGING}*"):  # left by a conversion killed with -9
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = output.parent / f".{output.name}{_STAGING}{os.getpid()}"
+    staging.mkdir()
+    try:
+        yield staging
+        if output.is_dir() and any(output.iterdir()):  # --overwrite: the old content goes only now
+            retired = output.parent / f".{output.name}{_STAGING}old-{os.getpid()}"
+            os.replace(output, retired)
+            os.replace(staging, output)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            if output.is_dir():
+                output.rmdir()
+            os.replace(staging, output)
+        fsync_dir(output.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 class _SingleProcessMegatron:
@@ -203,11 +236,12 @@ _SAFETENSORS_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "
 def _stored_hf_dtype(reader) -> "torch.dtype":
     """The dtype of the HF weights, read from a safetensors header (no tensor is loaded)."""
     import torch
-    from safetensors import safe_open
+
+    from megatron_dapo.model.hf_weights import open_safetensors
 
     names = reader.names()
     name = next((n for n in names if n.endswith("embed_tokens.weight")), names[0])
-    with safe_open(str(reader.hf_dir / reader.file_of(name)), framework="pt") as handle:
+    with open_safetensors(reader.hf_dir / reader.file_of(name)) as handle:
         code = handle.get_slice(name).get_dtype()
     if code not in _SAFETENSORS_TO_TORCH:
         raise ConversionError(f"HF weights are stored as {code}: pass --dtype {' / '.join(DTYPES)}")
@@ -220,11 +254,11 @@ def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
     HFWeightReader keeps the current shard memory-mapped; the pages it touched would stay resident
     until the next shard, adding up to a whole shard to the converter's footprint.
     """
-    from safetensors import safe_open
+    from megatron_dapo.model.hf_weights import open_safetensors
 
     if name not in reader:
         raise ConversionError(f"{reader.hf_dir} lacks tensor {name!r} (is the checkpoint complete?)")
-    with safe_open(str(reader.hf_dir / reader.file_of(name)), framework="pt") as handle:
+    with open_safetensors(reader.hf_dir / reader.file_of(name)) as handle:
         return handle.get_tensor(name)
 
 
@@ -261,25 +295,27 @@ def convert_hf_to_megatron(
     from megatron_dapo.checkpoint.core import make_metadata
     from megatron_dapo.checkpoint.layout import DIST_DIR, HF_DIR, METADATA_FILE, copy_hf_side_files
     from megatron_dapo.checkpoint.streaming import LazyChunk, LazyChunkedTensor, write_streaming
-    from megatron_dapo.model.hf_weights import HFWeightReader
+    from megatron_dapo.model.hf_weights import HFWeightReader, check_weight_files
     from megatron_dapo.model.mapping import ModelShape
 
     start = time.monotonic()
     hf_dir, output = Path(hf_dir), Path(output)
     cfg = _check_hf_dir(hf_dir)
     layout = _validate_layout(cfg, tp, pp, vpp)
-    reader = HFWeightReader(hf_dir)  # fails early on a directory without weights
+    check_weight_files(hf_dir)  # a truncated or overwritten shard is named now, not after half the layers
+    reader = HFWeightReader(hf_dir)
     out_dtype = _torch_dtype(dtype) or _stored_hf_dtype(reader)
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConversionError(f"HF weights are {out_dtype}: pass --dtype {' / '.join(DTYPES)}")
-    _prepare_output(output, overwrite)
+    _check_output(output, overwrite)
 
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
     from megatron_dapo.checkpoint.template import checkpoint_template
 
-    with _SingleProcessMegatron():
+    final = output
+    with _atomic_output(final, overwrite) as output, _SingleProcessMegatron():
         template = checkpoint_template(cfg, out_dtype)
         rows = _rows_in_order(cfg)
         _check_template_covers(rows, template)
@@ -359,10 +395,10 @@ def convert_hf_to_megatron(
         )  # fmt: skip
         (output / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))  # last: marks it complete
 
-        if verify_logits:
+        if verify_logits:  # before the rename: a checkpoint that fails it is never published
             notes.append(verify_logits_against_hf(output, hf_dir, verify_tol))
-    files = sorted(str(p.relative_to(output)) for p in output.rglob("*") if p.is_file())
-    return ConversionReport(output, totals["tensors"], totals["bytes"], time.monotonic() - start, files, notes)
+    files = sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file())
+    return ConversionReport(final, totals["tensors"], totals["bytes"], time.monotonic() - start, files, notes)
 
 
 def verify_logits_against_hf(checkpoint: PathLike, hf_dir: PathLike, tol: float = 1e-4) -> str:
@@ -501,13 +537,8 @@ def convert_megatron_to_hf(
     `hf_config_dir`: where config.json / tokenizer files come from when the checkpoint has no hf/.
     `dtype`: cast the weights (default: as stored).
     """
-    import torch
-
-    from megatron_dapo.checkpoint.layout import DIST_DIR, copy_hf_side_files, resolve_checkpoint_dir
-    from megatron_dapo.checkpoint.streaming import ChunkTargets, read_chunks
-    from megatron_dapo.checkpoint.template import checkpoint_template
+    from megatron_dapo.checkpoint.layout import resolve_checkpoint_dir
     from megatron_dapo.model.hf_config import read_hf_config
-    from megatron_dapo.model.mapping import ModelShape
 
     start = time.monotonic()
     megatron_dir, output = Path(megatron_dir), Path(output)
@@ -520,7 +551,21 @@ def convert_megatron_to_hf(
     out_dtype = _torch_dtype(dtype)
     if output.resolve() == checkpoint.resolve() or checkpoint.resolve() in output.resolve().parents:
         raise ConversionError(f"output {output} must not be inside the checkpoint {checkpoint}")
-    _prepare_output(output, overwrite)
+    _check_output(output, overwrite)
+    with _atomic_output(output, overwrite) as staging:
+        report = _export_hf(checkpoint, side_dir, cfg, staging, max_bytes, out_dtype, progress)
+    files = sorted(p.name for p in output.iterdir() if p.is_file())
+    return ConversionReport(output, report.tensors, report.bytes, time.monotonic() - start, files, report.notes)
+
+
+def _export_hf(checkpoint: Path, side_dir: Path, cfg, output: Path, max_bytes: int, out_dtype, progress: bool) -> ConversionReport:
+    """The body of `convert_megatron_to_hf`, writing into `output` (the staging directory)."""
+    import torch
+
+    from megatron_dapo.checkpoint.layout import DIST_DIR, copy_hf_side_files
+    from megatron_dapo.checkpoint.streaming import ChunkTargets, read_chunks
+    from megatron_dapo.checkpoint.template import checkpoint_template
+    from megatron_dapo.model.mapping import ModelShape
 
     from megatron_dapo.checkpoint.torch_dist import stored_entries
 
@@ -610,10 +655,9 @@ def convert_megatron_to_hf(
         }
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     copied = copy_hf_side_files(side_dir, output)
-    files = sorted(p.name for p in output.iterdir() if p.is_file())
     notes = [f"from {checkpoint} (step {json.loads((checkpoint / 'metadata.json').read_text()).get('step')})",
              f"copied HF files: {', '.join(copied)}"]  # fmt: skip
-    return ConversionReport(output, len(entries), total_bytes, time.monotonic() - start, files, notes)
+    return ConversionReport(output, len(entries), total_bytes, 0.0, [], notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,11 +729,27 @@ def _report(report: ConversionReport) -> None:
 
 
 def _guarded(fn, args) -> int:
+    from megatron_dapo.runtime import disk_full_error
+
     try:
         _report(fn(args))
     except (ConversionError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # a write that failed (torch's CheckpointException is a BaseException)
+        output = Path(args.output)
+        full = disk_full_error(err, output.parent if output.parent.exists() else Path("."))
+        if full is None and not isinstance(err, OSError):
+            raise
+        if full is not None:
+            reason, fix = f"no space left on the disk of {output.parent}", "free some space or choose another --output"
+        else:
+            reason, fix = str(err), "check that the directory is writable, or choose another --output"
+        print(f"error: writing {output} failed ({reason}); it is left as it was (the partial output was removed): "
+              f"{fix}, then run the command again", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

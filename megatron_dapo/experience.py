@@ -43,6 +43,8 @@ class Samples:
     pred: list[Any]
     overlong_penalty: list[float]
     data_source: list[str]
+    reward_error: list[Optional[str]]
+    """Why the reward function failed on the response (it then scores reward.min_reward), None where it scored."""
 
     def __len__(self) -> int:
         return len(self.uid)
@@ -104,6 +106,7 @@ def generate_and_score(
         pred=list(rewards.preds),
         overlong_penalty=rewards.overlong_penalty.tolist(),
         data_source=[ex.data_source for ex in owners],
+        reward_error=list(rewards.errors),
     )
 
 

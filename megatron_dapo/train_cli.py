@@ -112,6 +112,7 @@ def _run_guarded(fn) -> int:
     from megatron_dapo.data.dataset import DatasetError
 
     from megatron_dapo.algorithm.sampling import DynamicSamplingExhausted
+    from megatron_dapo.runtime import DiskFullError
 
     try:
         fn()
@@ -120,6 +121,9 @@ def _run_guarded(fn) -> int:
         return 2
     except DynamicSamplingExhausted as error:  # the data, not the program: say what to change
         print(f"megatron-dapo: stopped: {error}", file=sys.stderr)
+        return 1
+    except DiskFullError as error:  # `runtime.stop_on_full_disk`: the first write that failed, and what to do
+        print(f"megatron-dapo: stopped: {error.strerror}", file=sys.stderr)
         return 1
     return 0
 
@@ -143,11 +147,14 @@ def _close_process_groups() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
+    from megatron_dapo.runtime import stop_on_full_disk
     from megatron_dapo.trainer import train
 
     def job() -> None:
         resolve_config_argument(args)
-        train(load_config(args.config, args.overrides), resume=args.resume, overwrite=args.overwrite)
+        cfg = load_config(args.config, args.overrides)
+        with stop_on_full_disk(cfg.trainer.output_dir):
+            train(cfg, resume=args.resume, overwrite=args.overwrite)
 
     return guarded(job)
 

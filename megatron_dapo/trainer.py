@@ -178,7 +178,7 @@ class DAPOTrainer:
                 self._stop_before_update_if_asked(start)  # after the gather: every rank is here
                 generated.append(samples)
                 metric = filter_metric(samples, cfg.algorithm.filter_groups.metric)
-                self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid)
+                self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid, failures=samples.reward_error)
         sampling_stats = self.buffer.stats
         train = Samples.from_fields(self.buffer.take())
         # 2. Group-normalised advantages over the whole train batch (identical on every rank).

@@ -25,7 +25,7 @@ def test_config_command_prints_resolved_config_or_error():
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rollout"]["n"] == 4
     bad = run_cli("config", "configs/tiny_cpu.yaml", "rollout.nn=4")
-    assert bad.returncode == 1
+    assert bad.returncode == 2
     assert "Did you mean 'rollout.n'" in bad.stderr
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.config import Config, ConfigError, config_to_dict, load_config
+from megatron_dapo.config import Config, ConfigError, config_to_dict, load_config, skipped_model_checks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -109,11 +109,13 @@ def test_overlong_buffer_check_skipped_when_disabled():
     assert cfg.algorithm.overlong_buffer.len == 4096
 
 
-def _model_dir(tmp_path, heads=16, kv=4, layers=6):
+def _model_dir(tmp_path, heads=16, kv=4, layers=6, architecture="Qwen2ForCausalLM"):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
-        json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": layers})
+        json.dumps({"architectures": [architecture], "hidden_size": 64 * heads, "intermediate_size": 256,
+                    "max_position_embeddings": 1024, "vocab_size": 1000, "num_attention_heads": heads,
+                    "num_key_value_heads": kv, "num_hidden_layers": layers})  # fmt: skip
     )
     return str(model)
 
@@ -149,3 +151,72 @@ def test_world_size_checks():
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     load_config(path)
+
+
+# ------------------------------------------------------------------ bad input, as a new user makes it
+
+
+@pytest.mark.parametrize("world_size", [0, -2])
+def test_world_size_below_one_is_refused(world_size):
+    cfg = load_config(None, ["trainer.train_batch_size=4", "trainer.gen_batch_size=4", "trainer.ppo_mini_batch_size=2"])
+    with pytest.raises(ConfigError, match=rf"world size {world_size}: a run needs at least one process"):
+        cfg.resolve_world(world_size)
+    assert cfg.parallel.dp is None
+
+
+def test_world_checks_split_the_prompt_batches_over_replicas():
+    cfg = load_config(None, ["trainer.train_batch_size=4", "trainer.gen_batch_size=6", "trainer.ppo_mini_batch_size=1",
+                             "rollout.n=4"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'trainer.gen_batch_size'=6 prompts cannot be split evenly over 4"):
+        cfg.resolve_world(4)
+    assert cfg.resolve_world(2).parallel.dp == 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("trainer:\n  total_steps: 5\n  total_steps: 6\n",
+         r"cfg.yaml line 3: key 'trainer.total_steps' is given twice \(first on line 2\)"),
+        ("rollout:\n  n: 4\ntrainer:\n  seed: 1\nrollout:\n  n: 8\n", r"line 5: key 'rollout' is given twice \(first on line 1\)"),
+        ("trainer:\n  loggers: [console, jsonl\nmodel: {}\n",
+         r"cfg.yaml line 3, column 6: invalid YAML: expected ',' or '\]'.*flow sequence on line 2"),
+        ("trainer:\n  total_steps: 5\n bad_indent: 1\n", r"cfg.yaml line 3, column 2: invalid YAML"),
+        ("trainer: {total_steps: 5\n", r"cfg.yaml line 2, column 1: invalid YAML"),
+    ],
+)
+def test_yaml_mistakes_name_the_file_line_and_key(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write_yaml(tmp_path, text))
+
+
+def test_config_file_not_utf8(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes("trainer:\n  experiment_name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="cfg.yaml is not UTF-8 text"):
+        load_config(path)
+
+
+def test_model_config_json_that_is_not_json_names_the_file(tmp_path):
+    model = Path(_model_dir(tmp_path))
+    (model / "config.json").write_text('{"architectures": [\n')
+    with pytest.raises(ConfigError, match=r"model/config.json is not valid JSON \(line 2, column 1"):
+        load_config(None, [f"model.hf_dir={model}"])
+
+
+def test_unsupported_architecture_is_refused_with_converts_message(tmp_path):
+    from megatron_dapo.model.hf_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError, read_hf_config
+
+    model = _model_dir(tmp_path, architecture="MistralForCausalLM")
+    with pytest.raises(UnsupportedModelError) as convert_says:  # what `megatron-dapo convert` reports
+        read_hf_config(model)
+    with pytest.raises(ConfigError) as config_says:
+        load_config(None, [f"model.hf_dir={model}"])
+    assert str(convert_says.value) in str(config_says.value)
+    assert all(name in str(config_says.value) for name in SUPPORTED_ARCHITECTURES)
+
+
+def test_skipped_model_checks_say_why(tmp_path):
+    assert "'model.hf_dir' is empty" in skipped_model_checks(load_config(None, ["parallel.tp=3"]))
+    assert "does not exist here" in skipped_model_checks(load_config(None, [f"model.hf_dir={tmp_path / 'nope'}"]))
+    assert "has no config.json" in skipped_model_checks(load_config(None, [f"model.hf_dir={tmp_path}"]))
+    assert skipped_model_checks(load_config(None, [f"model.hf_dir={_model_dir(tmp_path)}"])) is None

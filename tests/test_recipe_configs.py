@@ -126,9 +126,9 @@ def test_recipe_fits_h100_gpus_and_quotes_the_planner(name):
     ]
     for line in expected_lines:
         assert line in text, line
-    # Every "N GiB per GPU, M GiB per node" of host memory the header quotes is the planner's.
-    for per_gpu, per_node in re.findall(r"([\d.]+) GiB per GPU, ([\d.]+) GiB per node", text):
-        assert (per_gpu, per_node) == (f"{r.host_per_gpu / mp.GIB:.2f}", f"{r.host_per_node / mp.GIB:.2f}")
+    # Every host-memory figure the comments quote is the planner's (not only one of them).
+    quoted_host = re.findall(r"([\d.]+) GiB per GPU, ([\d.]+) GiB per node", text)
+    assert quoted_host and set(quoted_host) == {(f"{r.host_per_gpu / mp.GIB:.2f}", f"{r.host_per_node / mp.GIB:.2f}")}, quoted_host
     # ... and the utilisation the rollout section names as the planner's limit.
     assert f"(planner: at most {mp._down(r.max_gpu_memory_utilization)})" in text
 

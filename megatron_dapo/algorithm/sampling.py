@@ -210,7 +210,9 @@ class DynamicSamplingBuffer:
             "num_groups_all_correct": 0,
             "num_groups_all_wrong": 0,
             "num_groups_constant": 0,
+            "num_samples_reward_failed": 0,
         }
+        self._first_reward_failure: Optional[str] = None
         self._taken = False
 
     @property
@@ -231,10 +233,17 @@ class DynamicSamplingBuffer:
     def stats(self) -> dict[str, int]:
         """Counts of the step: generation batches and groups generated / kept / all-correct /
         all-wrong / constant (``num_groups_kept`` counts every informative group, including
-        those beyond ``train_batch_size`` that are discarded)."""
+        those beyond ``train_batch_size`` that are discarded), and samples whose reward function
+        failed (when `add` is told, else 0)."""
         return dict(self._stats)
 
-    def add(self, batch: Mapping[str, Field], metric: Metric, group_ids: GroupIds) -> GroupFilterResult:
+    def add(
+        self,
+        batch: Mapping[str, Field],
+        metric: Metric,
+        group_ids: GroupIds,
+        failures: Optional[Sequence[Optional[str]]] = None,
+    ) -> GroupFilterResult:
         """Filter one generation batch and store its informative groups.
 
         Args:
@@ -242,6 +251,9 @@ class DynamicSamplingBuffer:
             metric: the per-sample filter metric (raw accuracy), one value per sample.
             group_ids: the group (prompt uid) of each sample; ids must not repeat across the
                 generation batches of one step.
+            failures: per sample, why its reward function failed (None where it scored). A failed
+                sample counts as wrong, so a reward function that fails on everything makes every
+                group "all wrong": the exhaustion error then names the failures, not the data.
 
         Returns:
             The `GroupFilterResult` of this batch.
@@ -266,6 +278,13 @@ class DynamicSamplingBuffer:
         stats["num_groups_all_correct"] += result.num_all_correct
         stats["num_groups_all_wrong"] += result.num_all_wrong
         stats["num_groups_constant"] += result.num_constant
+        if failures is not None:
+            if len(failures) != num_samples:
+                raise ValueError(f"{len(failures)} reward failure entries for {num_samples} samples")
+            failed = [reason for reason in failures if reason is not None]
+            stats["num_samples_reward_failed"] += len(failed)
+            if failed and self._first_reward_failure is None:
+                self._first_reward_failure = str(failed[0])
 
         # Store whole groups, each contiguous, in order of first appearance; only as many as the
         # train batch still needs (the surplus would be discarded by `take` anyway).
@@ -293,16 +312,35 @@ class DynamicSamplingBuffer:
             and self.max_num_gen_batches > 0
             and stats["num_gen_batches"] >= self.max_num_gen_batches
         ):
-            raise DynamicSamplingExhausted(
-                f"dynamic sampling found only {self._stored_groups}/{self.train_batch_size} prompt groups with "
-                f"mixed accuracy after {stats['num_gen_batches']} generation batches "
-                f"(algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches}); of "
-                f"{stats['num_groups_generated']} groups, {stats['num_groups_all_correct']} were all correct and "
-                f"{stats['num_groups_all_wrong']} all wrong. The data is too easy or too hard for the model: "
-                "raise algorithm.filter_groups.max_num_gen_batches (0 = unlimited), raise trainer.gen_batch_size "
-                "to generate more prompts per batch, or use a dataset of suitable difficulty."
-            )
+            raise DynamicSamplingExhausted(self._exhausted_message())
         return result
+
+    def _exhausted_message(self) -> str:
+        stats = self._stats
+        found = (
+            f"dynamic sampling found only {self._stored_groups}/{self.train_batch_size} prompt groups with "
+            f"mixed accuracy after {stats['num_gen_batches']} generation batches "
+            f"(algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches}); of "
+            f"{stats['num_groups_generated']} groups, {stats['num_groups_all_correct']} were all correct and "
+            f"{stats['num_groups_all_wrong']} all wrong."
+        )
+        data = (
+            "raise algorithm.filter_groups.max_num_gen_batches (0 = unlimited), raise trainer.gen_batch_size "
+            "to generate more prompts per batch, or use a dataset of suitable difficulty."
+        )
+        failed, samples = stats["num_samples_reward_failed"], stats["num_groups_generated"] * self.n_samples_per_prompt
+        if not failed:
+            return f"{found} The data is too easy or too hard for the model: {data}"
+        failures = (
+            f"the reward function failed on {failed} of {samples} samples (first error: {self._first_reward_failure}); "
+            "a failed sample gets reward.min_reward and counts as wrong"
+        )
+        if 2 * failed >= samples:  # at least half: the failures, not the data, emptied the batch
+            return (
+                f"{found} The cause is the reward function, not the data: {failures}. Fix the reward function "
+                "(reward.custom_function.path), or raise reward.timeout_s if the failures are timeouts."
+            )
+        return f"{found} Also, {failures}. If the data is too easy or too hard for the model: {data}"
 
     def _check_batch(self, batch: Mapping[str, Field], num_samples: int) -> None:
         if not batch:

@@ -155,6 +155,27 @@ def _iter_parquet(path: Path, columns: Optional[Sequence[str]], name: str) -> It
 
 
 def _iter_json(path: Path, name: str) -> Iterator[tuple[str, dict]]:
+    try:
+        yield from _iter_json_text(path, name)
+    except UnicodeDecodeError as err:
+        raise DatasetError(_not_utf8(path, err)) from None
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> str:
+    """Name the first line that is not UTF-8 (the decoder reports a byte offset in a read buffer)."""
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return (
+                    f"{path} line {line_number}: not UTF-8 text (byte {bad.start + 1} of the line is "
+                    f"0x{raw[bad.start]:02x}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                )
+    return f"{path}: not UTF-8 text ({err.reason}); save the file as UTF-8"
+
+
+def _iter_json_text(path: Path, name: str) -> Iterator[tuple[str, dict]]:
     with open(path, encoding="utf-8") as handle:
         head = handle.read(4096).lstrip()
         handle.seek(0)

@@ -109,9 +109,11 @@ def read_records(path: Union[str, Path]) -> list[dict]:
 
 
 def _text_field(record: dict, key: str, where: str) -> str:
-    if key not in record or record[key] is None:
+    if key not in record:
         raise DatasetError(f"{where}: missing {key!r} (each line must be an object with 'question' and 'answer'); found keys {sorted(record)}")
     value = record[key]
+    if value is None:
+        raise DatasetError(f"{where}: {key!r} is null; give it a string (or drop the line)")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DatasetError(f"{where}: {key!r} must be a string or a number, got {type(value).__name__}")
     text = value if isinstance(value, str) else str(value)

@@ -115,7 +115,13 @@ class PromptSampler:
         if int(state["seed"]) != self.seed:
             mismatches.append(f"data.seed is {self.seed} but was {state['seed']}")
         if mismatches:
-            raise ValueError("cannot resume the prompt order: " + "; ".join(mismatches))
+            from megatron_dapo.config import ConfigError  # a ValueError; the CLI reports it in one line
+
+            raise ConfigError(
+                "cannot resume the prompt order of the checkpoint: " + "; ".join(mismatches) + ". To resume, set "
+                "them back to the values the checkpoint was written with (its metadata.json records them under "
+                "'config'); to start a new run with the new values, run without --resume in a new trainer.output_dir"
+            )
         consumed = int(state["consumed"])
         if consumed < 0:
             raise ValueError(f"sampler state has consumed={consumed} < 0")

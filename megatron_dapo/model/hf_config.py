@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-__all__ = ["HFModelConfig", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError", "read_hf_config"]
+__all__ = [
+    "HFModelConfig",
+    "ModelFileError",
+    "SUPPORTED_ARCHITECTURES",
+    "UnsupportedModelError",
+    "load_config_json",
+    "read_hf_config",
+]
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -27,6 +34,10 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 class UnsupportedModelError(ValueError):
     """The HF model uses an architecture or a feature this trainer does not implement."""
+
+
+class ModelFileError(ValueError):
+    """A file of the HF model directory is missing, unreadable or corrupt; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -62,12 +73,29 @@ class HFModelConfig:
 def _load(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
+    return load_config_json(source)
+
+
+def load_config_json(source: Union[str, os.PathLike]) -> dict[str, Any]:
+    """The JSON object in a model directory's config.json (or at a config.json path).
+
+    FileNotFoundError when there is none; ModelFileError naming the file (and the line) when it is
+    not a JSON object: a hand edit gone wrong or a download cut short."""
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no HF config.json at {path}")
-    return json.loads(path.read_text())
+    fix = "restore it from the model's source (e.g. download it again)"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ModelFileError(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): {fix}") from None
+    except UnicodeDecodeError as error:
+        raise ModelFileError(f"{path} is not UTF-8 text (byte {error.start}): {fix}") from None
+    if not isinstance(raw, dict):
+        raise ModelFileError(f"{path} holds a JSON {type(raw).__name__}, not an object of model settings: {fix}")
+    return raw
 
 
 def _refuse(arch: str, message: str) -> UnsupportedModelError:

@@ -46,7 +46,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -95,6 +95,10 @@ class RewardResult:
     """bool: the reward function raised, returned something unusable or timed out."""
     responses: list[str]
     """Decoded responses (special tokens skipped)."""
+    errors: list[Optional[str]] = field(default_factory=list)
+    """Per sample: why the reward function failed ("ValueError: ...", a timeout, a crash), None where it
+    scored. Travels with the samples so that dynamic sampling can name failures as the cause when
+    every group looks all wrong (`algorithm.sampling.DynamicSamplingBuffer`)."""
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Shorthand for `reward_metrics(self, prefix)`."""
@@ -608,6 +612,12 @@ class RewardManager:
         self.decode_in_workers = self._setup is not None and self._setup.tokenizer_pickle is not None
         self._pool: Optional[_WorkerPool] = None
         self._closer: Optional[weakref.finalize] = None
+        self.samples_scored = 0
+        """Samples scored by this manager so far."""
+        self.samples_failed = 0
+        """Of those, samples whose reward function raised, returned something unusable or timed out."""
+        self.first_failure: Optional[str] = None
+        """The first failure's reason ("ValueError: ..."), for the message that names failures as a cause."""
 
     @staticmethod
     def _function_for_workers(function: ScoreFunction) -> tuple[Optional[RewardFunctionRef], Optional[ScoreFunction]]:
@@ -771,6 +781,13 @@ class RewardManager:
         raw = torch.tensor(raw_list, dtype=torch.float64)
         acc = torch.tensor(acc_list, dtype=torch.bool)
         failed = torch.tensor(failed_list, dtype=torch.bool)
+        errors: list[Optional[str]] = [None] * count
+        for index, reason in failures:
+            errors[index] = reason
+        self.samples_scored += count
+        self.samples_failed += len(failures)
+        if failures and self.first_failure is None:
+            self.first_failure = failures[0][1]
         for index, reason in failures[:_MAX_FAILURE_LOGS]:
             logger.warning(
                 "reward function failed on sample %d: %s; it gets min_reward=%g", index, reason, self.min_reward
@@ -798,6 +815,7 @@ class RewardManager:
             overlong_penalty=penalty.to(torch.float32),
             failed=failed,
             responses=responses,
+            errors=errors,
         )
 
     def _chunk_size(self, count: int) -> int:

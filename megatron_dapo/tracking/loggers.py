@@ -25,7 +25,8 @@ Backends (names as in ``trainer.loggers``):
 
 Resume: pass ``resume_step`` (the step of the checkpoint the run restarts from). Lines of
 ``metrics.jsonl`` with a later step are dropped (:func:`truncate_metrics_after`) and TensorBoard
-purges events after it, so a resumed run records every step exactly once.
+purges events after it, so a resumed run records every step exactly once. A fresh run
+(``resume_step=None``) removes the event files an earlier run left in ``tensorboard/``.
 
 Only the logging rank writes: elsewhere the trainer passes ``enabled=False`` and every call is a
 no-op that creates no file and imports nothing (backend names are still checked, so a typo fails
@@ -269,6 +270,8 @@ class _TensorBoardBackend:
             ) from error
         # purge_step hides the events a crashed run wrote after the checkpoint it resumes from.
         purge_step = None if resume_step is None else resume_step + 1
+        if resume_step is None:
+            remove_stale_event_files(log_dir)
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=30)
         if config:
             text = json.dumps(config, indent=2, sort_keys=True, default=str)
@@ -282,6 +285,20 @@ class _TensorBoardBackend:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def remove_stale_event_files(log_dir: Path) -> list[Path]:
+    """Delete the TensorBoard event files an earlier run left in `log_dir` (a fresh run's directory).
+
+    TensorBoard shows every event file of a directory as one run, so an old run's curves would be
+    drawn into the new one's (and a longer old run would show steps the new run never made)."""
+    removed = []
+    if log_dir.is_dir():
+        for path in sorted(log_dir.glob("events.out.tfevents.*")):
+            if path.is_file():
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 class _WandbBackend:

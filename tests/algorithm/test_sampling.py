@@ -85,6 +85,7 @@ def test_buffer_accumulates_until_full_and_returns_whole_groups_in_arrival_order
         "num_groups_all_correct": 1,
         "num_groups_all_wrong": 2,
         "num_groups_constant": 0,
+        "num_samples_reward_failed": 0,
     }
 
     out = buf.take()
@@ -116,6 +117,39 @@ def test_exhaustion_raises_naming_the_knobs():
     assert "algorithm.filter_groups.max_num_gen_batches=3" in message
     assert "trainer.gen_batch_size" in message and "1/2" in message
     assert "2 were all correct" in message and "3 all wrong" in message
+
+
+def test_reward_failures_on_every_sample_are_named_as_the_cause_not_the_data():
+    """A reward function that raises on every sample makes every group all wrong; the message must
+    blame it (count and first error), not the data's difficulty."""
+    buf = DynamicSamplingBuffer(train_batch_size=2, n_samples_per_prompt=2, max_num_gen_batches=2)
+    for i in range(2):
+        batch, acc, uids = make_generation_batch(10 * i, [WRONG, WRONG, WRONG], seq_len=3, n=2)
+        failures = [f"KeyError: 'answer' (batch {i})"] * len(uids)
+        if i == 0:
+            buf.add(batch, acc, uids, failures=failures)
+            assert buf.stats["num_samples_reward_failed"] == 6
+    with pytest.raises(DynamicSamplingExhausted) as info:
+        buf.add(batch, acc, uids, failures=failures)
+    message = str(info.value)
+    assert "the reward function failed on 12 of 12 samples" in message
+    assert "first error: KeyError: 'answer' (batch 0)" in message
+    assert "The cause is the reward function, not the data" in message and "reward.custom_function.path" in message
+    assert "too easy or too hard" not in message
+
+
+def test_a_few_reward_failures_are_mentioned_next_to_the_data():
+    buf = DynamicSamplingBuffer(train_batch_size=2, n_samples_per_prompt=2, max_num_gen_batches=1)
+    batch, acc, uids = make_generation_batch(0, [WRONG, RIGHT, WRONG], seq_len=3, n=2)
+    failures = [None] * len(uids)
+    failures[1] = "TimeoutError: sample took longer than reward.timeout_s=10s"
+    with pytest.raises(DynamicSamplingExhausted) as info:
+        buf.add(batch, acc, uids, failures=failures)
+    message = str(info.value)
+    assert "Also, the reward function failed on 1 of 6 samples (first error: TimeoutError" in message
+    assert "too easy or too hard" in message
+    with pytest.raises(ValueError, match="2 reward failure entries for 6 samples"):
+        DynamicSamplingBuffer(train_batch_size=2, n_samples_per_prompt=2).add(batch, acc, uids, failures=[None, None])
 
 
 def test_unlimited_generation_batches_never_raise():

@@ -83,10 +83,16 @@ def _tool(name: str):
         ("tp3", "parallel.tp=3 does not divide model num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
         ("pp3", "parallel.pp=3 does not divide model num_hidden_layers=4"),
         ("non_empty_output", "is not empty: choose another one or pass --overwrite"),
+        ("truncated_weights", "bytes but its header describes"),
     ],
 )
 def test_hf_to_megatron_errors(case, message, tiny_model_dirs, not_a_model, tmp_path, capsys):
     hf_dir, output, extra = tiny_model_dirs["qwen2"], tmp_path / "out", []
+    if case == "truncated_weights":  # a copy cut short: named from the header, before anything is written
+        import shutil
+
+        hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "cut"))
+        os.truncate(hf_dir / "model.safetensors", (hf_dir / "model.safetensors").stat().st_size - 1000)
     if case == "missing_dir":
         hf_dir = tmp_path / "missing"
     elif case == "no_config":
@@ -140,3 +146,51 @@ def test_end_to_end_with_logits_check(tiny_model_dirs, tmp_path, capsys):
     assert _tool("convert_megatron_to_hf")(["--megatron-dir", str(checkpoint), "--output", str(checkpoint / "hf")]) == 2
     assert "must not be inside the checkpoint" in capsys.readouterr().err
     assert not (checkpoint / "hf" / "model.safetensors").exists()
+
+
+# A full disk at the end of a conversion: the HF side files cannot be copied (ENOSPC injected at
+# shutil.copy2, the operating-system boundary), after every tensor was written.
+_NO_SPACE_AT_SIDE_FILES = """
+import errno, os, shutil, sys
+def copy2(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+shutil.copy2 = copy2
+from megatron_dapo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _leftovers(output: Path) -> list[str]:
+    return sorted(p.name for p in output.parent.iterdir() if p.name.startswith(f".{output.name}"))
+
+
+def test_a_failed_conversion_leaves_the_output_as_it_was(tiny_model_dirs, tmp_path):
+    """Atomic like the training checkpoints: written to a temporary sibling and renamed at the end, so
+    a conversion that fails (here: the disk fills up) leaves no empty or partial output directory, and
+    with --overwrite the previous content stays until a new one is complete."""
+    hf_dir = tiny_model_dirs["qwen2"]
+    fresh = tmp_path / "fresh"
+    failed = _run([sys.executable, "-c", _NO_SPACE_AT_SIDE_FILES, "convert", "hf-to-megatron", "--hf-dir", str(hf_dir),
+                   "--output", str(fresh), "--no-progress"])  # fmt: skip
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert f"error: writing {fresh} failed (no space left on the disk of {tmp_path})" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert not fresh.exists() and _leftovers(fresh) == []
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "previous.txt").write_text("the previous conversion")
+    failed = _run([sys.executable, "-c", _NO_SPACE_AT_SIDE_FILES, "convert", "hf-to-megatron", "--hf-dir", str(hf_dir),
+                   "--output", str(kept), "--overwrite", "--no-progress"])  # fmt: skip
+    assert failed.returncode == 1 and "it is left as it was" in failed.stderr, failed.stderr[-3000:]
+    assert sorted(p.name for p in kept.iterdir()) == ["previous.txt"] and _leftovers(kept) == []
+
+    # The same conversion without the fault replaces it, and the export back fails just as cleanly.
+    done = _run([*CLI, "hf-to-megatron", "--hf-dir", str(hf_dir), "--output", str(kept), "--overwrite", "--no-progress"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (kept / "metadata.json").is_file() and not (kept / "previous.txt").exists() and _leftovers(kept) == []
+    exported = tmp_path / "exported"
+    failed = _run([sys.executable, "-c", _NO_SPACE_AT_SIDE_FILES, "convert", "megatron-to-hf", "--megatron-dir", str(kept),
+                   "--output", str(exported), "--no-progress"])  # fmt: skip
+    assert failed.returncode == 1 and "no space left" in failed.stderr, failed.stderr[-3000:]
+    assert not exported.exists() and _leftovers(exported) == []

@@ -131,6 +131,7 @@ def test_cli_holds_out_a_validation_set(questions_file, tmp_path):
         (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": '], [], r"line 2: invalid JSON"),
         (['{"question": "a", "answer": "1"}', "", '{"question": "b"}'], [], r"line 3: missing 'answer'"),
         (['{"question": "", "answer": "1"}'], [], r"line 1: 'question' is empty"),
+        (['{"question": "a", "answer": "1"}', '{"question": null, "answer": "2"}'], [], r"line 2: 'question' is null"),
         (['{"question": "a", "answer": [1]}'], [], r"line 1: 'answer' must be a string"),
         (["[1, 2]"], [], r"line 1: expected a JSON object"),
         ([""], [], r"no questions in the input"),
@@ -148,6 +149,22 @@ def test_cli_errors_name_the_problem(tmp_path, capsys, monkeypatch, lines, extra
     with pytest.raises(DatasetError, match=expected):
         prepare(parser.parse_args(["--input", "in.jsonl", "--output", "out.parquet", *extra_args]))
     assert not (tmp_path / "out.parquet").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_input_that_is_not_utf8_names_the_line(tmp_path, capsys, suffix):
+    """A Latin-1 file (e.g. exported from a spreadsheet): the line and byte, not a UnicodeDecodeError."""
+    source = tmp_path / f"in{suffix}"
+    lines = ['{"question": "What is 1 + 1?", "answer": "2"}', '{"question": "Caf\u00e9: 2 + 2?", "answer": "4"}']
+    source.write_bytes(("\n".join(lines) + "\n").encode("latin-1"))
+    assert prepare_data.main(["--input", str(source), "--output", str(tmp_path / "o.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert f"in{suffix} line 2: not UTF-8 text (byte 18 of the line is 0xe9)" in err and "Traceback" not in err
+    assert not (tmp_path / "o.parquet").exists()
+    from megatron_dapo.data.dataset import iter_records  # the trainer's reader of data.train_files says the same
+
+    with pytest.raises(DatasetError, match="line 2: not UTF-8"):
+        list(iter_records(source))
 
 
 def test_cli_missing_input_and_bad_output(tmp_path, capsys):

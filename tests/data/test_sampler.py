@@ -92,8 +92,13 @@ def test_resume_refuses_a_different_order(change, message):
     saved.next_batch()
     arguments = dict(num_examples=11, batch_size=4, shuffle=True, seed=9) | change
     other = PromptSampler(arguments.pop("num_examples"), arguments.pop("batch_size"), **arguments)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         other.load_state_dict(saved.state_dict())
+    # A config mistake, not a program error: the CLI reports it in one line (exit 2) with both ways out.
+    from megatron_dapo.config import ConfigError
+
+    assert isinstance(info.value, ConfigError)
+    assert "To resume, set them back" in str(info.value) and "run without --resume in a new trainer.output_dir" in str(info.value)
     with pytest.raises(ValueError, match="lacks"):
         other.load_state_dict({"consumed": 3})
 

@@ -29,6 +29,7 @@ def make_samples(seed: int, num_prompts: int, n: int):
         task_score=[float(i % 2) for i in range(count)],
         acc=[i % 2 == 1 for i in range(count)], pred=[None if i % 4 else f"{i}/7" for i in range(count)],
         overlong_penalty=[-0.25 * (i % 3 == 0) for i in range(count)], data_source=["math"] * count,
+        reward_error=[None if i % 5 else "ValueError: boom" for i in range(count)],
     )  # fmt: skip
 
 

@@ -200,6 +200,11 @@ def test_raising_scorer_gets_min_reward_and_a_warning(num_workers, caplog):
     assert result.preds == ["one", None, "two", None]
     messages = [r.getMessage() for r in caplog.records if r.name == "megatron_dapo.reward"]
     assert len(messages) == 2 and all("scorer exploded" in m and "min_reward=-2" in m for m in messages)
+    # each failure's reason travels with the sample, and the manager counts them (the trainer names
+    # them when they empty dynamic sampling)
+    assert result.errors == [None, "RuntimeError: scorer exploded", None, "RuntimeError: scorer exploded"]
+    assert (manager.samples_scored, manager.samples_failed) == (4, 2)
+    assert manager.first_failure == "RuntimeError: scorer exploded"
 
 
 def test_unusable_return_values_fail_the_sample():

@@ -188,6 +188,23 @@ def test_tensorboard_resume_hides_events_after_the_checkpoint(tmp_path):
     ]  # fmt: skip
 
 
+def test_fresh_run_removes_an_earlier_runs_tensorboard_events(tmp_path):
+    """An old run's event file would be drawn into the new run's curves (TensorBoard reads every event
+    file of the directory as one run), including steps the new run never made."""
+    with MetricsLogger(tmp_path, ["tensorboard"]) as logger:
+        for step in range(1, 6):
+            logger.log({"critic/score/mean": float(step), "old/only": 1.0}, step)
+    old_files = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert old_files
+    (tmp_path / "tensorboard" / "notes.txt").write_text("not an event file: kept")
+    with MetricsLogger(tmp_path, ["tensorboard"]) as logger:  # fresh: no resume_step
+        for step in (1, 2):
+            logger.log({"critic/score/mean": 10.0 * step}, step)
+    assert not any(path.exists() for path in old_files)
+    assert _tensorboard_scalars(tmp_path / "tensorboard") == {"critic/score/mean": [(1, 10.0), (2, 20.0)]}
+    assert (tmp_path / "tensorboard" / "notes.txt").exists()
+
+
 def test_tensorboard_missing_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now fails as if absent
     with pytest.raises(LoggerBackendUnavailable, match=r"trainer\.loggers.*pip install tensorboard"):
