@@ -156,6 +156,13 @@ class RolloutConfig:
     val_temperature: float = 1.0
     val_top_p: float = 0.7
     seed: int = 0
+    seed_per_prompt: bool = False
+    """How training generation is seeded (validation always seeds per prompt). false: each generation
+    batch seeds the engine's sampler once (from rollout.seed, the step, the batch and the engine) and
+    all requests draw from it together: fast, and a resumed run repeats the same tokens where the
+    engine schedules deterministically (vLLM's spmd placement, the embedded engine). true: every
+    prompt gets its own seed, so its responses do not depend on batching or scheduling (vLLM's
+    leader placement too), at the cost of vLLM's per-request sampling path at every decode step."""
 
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")

@@ -45,6 +45,15 @@ class SamplingParams:
     """Stop strings (engines that support them; the embedded engine checks decoded text only to stop, not to truncate)."""
     seed: Optional[int] = None
     """Same seed, same prompts, same weights -> same responses (per engine)."""
+    seed_per_prompt: bool = True
+    """How a seed reaches the engine's sampler. True: every prompt gets its own random stream
+    (seed + prompt index), so a prompt's responses do not depend on what else is in the batch or how
+    the engine schedules it - reproducible anywhere, at a price in vLLM (a per-request generator
+    path at every decode step). False: the seed reseeds the engine's sampler once per call and all
+    requests draw from it in one batched step - reproducible where the engine schedules
+    deterministically (vLLM's spmd placement, the embedded engine). The trainer uses False for
+    training (`rollout.seed_per_prompt`) and True for validation. The embedded engine always seeds
+    per call and SGLang always per sample (its seeded sampling is batched); they ignore this."""
     logprobs: bool = True
     """Return the engine's log-prob of each sampled token (under the sampling temperature)."""
 
