@@ -23,10 +23,11 @@ FINISH_LENGTH = "length"
 def vllm_sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for one prompt.
 
-    With `params.seed_per_prompt`, a seeded call gives prompt i the seed `seed + i`, so that prompts
-    do not share one random stream while the whole call stays reproducible; the n samples of a
-    prompt draw one after the other from that prompt's generator. Otherwise requests carry no seed:
-    the engine seeds its sampler once for the call (`VLLMEngine.generate`).
+    With `params.seed_per_prompt`, a seeded call gives prompt i the seed `seed + i * n`: vLLM gives
+    the j-th of a request's n samples the seed `seed + j` (`v1/engine/parallel_sampling.py`), so
+    every sample of the call has its own random stream and the whole call stays reproducible.
+    Otherwise requests carry no seed: the engine seeds its sampler once for the call
+    (`VLLMEngine.generate`).
     """
     per_prompt = params.seed is not None and params.seed_per_prompt
     return dict(
@@ -38,7 +39,7 @@ def vllm_sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str,
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop),
         include_stop_str_in_output=True,  # responses keep what stopped them, like EOS
-        seed=params.seed + prompt_index if per_prompt else None,
+        seed=params.seed + prompt_index * params.n if per_prompt else None,
         logprobs=0 if params.logprobs else None,  # 0: only the sampled token's log-prob
         flat_logprobs=True,  # one flat list per response instead of a dict per token
         detokenize=bool(params.stop),  # text is needed only to match stop strings
