@@ -9,6 +9,8 @@ srun --gpus-per-task=1 (each task sees one GPU).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
@@ -20,6 +22,7 @@ from megatron_dapo.rollout.placement import (
     assign_engine_devices,
     replica_groups,
 )
+from torchrun_utils import run_torchrun_function
 
 
 def torchrun_ranks(nodes: int, gpus_per_node: int = 8, visible: tuple[str, ...] = ()) -> list[RankGpu]:
@@ -176,3 +179,18 @@ def test_bad_arguments():
         assign_engine_devices("spmd", "vllm", 2, ranks, [[0, 1, 2]])
     with pytest.raises(ValueError, match="outside the 1 GPUs"):
         RankGpu("node0", ("0",), 1)
+
+
+def test_every_rank_learns_its_engines_devices_from_megatrons_groups():
+    """`group.engine_devices` under torchrun: 4 ranks, Megatron TP 2 x DP 2, rank r on GPU r."""
+    result = run_torchrun_function(Path(__file__).parent / "_engine_devices_worker.py", "main", nproc=4, timeout=600)
+    result.check()
+    ranks = result.rank_results
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    assert [r["leader_vllm_tp2"] for r in ranks] == [{"owner": 0, "indices": [0, 1]}, None, {"owner": 2, "indices": [2, 3]}, None]
+    assert [r["leader_sglang_tp1"] for r in ranks] == [{"owner": 0, "indices": [0]}, None, {"owner": 2, "indices": [2]}, None]
+    assert [r["leader_embedded"] for r in ranks] == [{"owner": 0, "indices": [0]}, None, {"owner": 2, "indices": [2]}, None]
+    assert [r["spmd_tp2"] for r in ranks] == [{"owner": 0, "indices": [0, 1]}] * 2 + [{"owner": 2, "indices": [2, 3]}] * 2
+    assert [r["spmd_tp4"] for r in ranks] == [{"owner": 0, "indices": [0, 1, 2, 3]}] * 4
+    errors = [r["leader_vllm_tp4"]["error"] for r in ranks]  # the same refusal everywhere: nobody hangs
+    assert len(set(errors)) == 1 and "rollout.tp=4" in errors[0] and "ranks [0, 1]" in errors[0]
