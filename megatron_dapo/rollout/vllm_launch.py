@@ -29,8 +29,9 @@ job's segments block every later one. `unique_shared_memory_names` gives the eng
 `file://<tmp>/mdapo_spmd_<token>` while it starts (the world is already initialised, so vLLM uses
 the method for nothing else), with a token shared by the job's ranks and new for every engine; once
 the engine is up, every rank removes the segments it created (the group's ranks have mapped them),
-so nothing stays behind even if the job is killed. (The SHM communicator exists only in vLLM's
-AVX-512 CPU kernels; elsewhere vLLM falls back to torch.distributed and creates no segment.)
+so nothing stays behind even if the job is killed. (The SHM communicator is compiled into some of
+vLLM's CPU kernel builds only - on x86 the AVX-512 ones, not the AVX2 one; without it vLLM falls
+back to torch.distributed and creates no segment.)
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ external launcher fixes to "env://": every job used the same names ("create shm 
 failed. errno: 17" for the second, and a killed job's segments blocked later ones). Each engine now
 gets a prefix of its own (`vllm_launch`): both jobs must pass, the names (vLLM's own
 `make_group_name` with the prefix each engine got) must differ between the jobs and agree within
-one, and no segment may be left in /dev/shm once an engine is up. (This machine's vLLM kernels may
-lack the SHM communicator - then vLLM falls back to torch.distributed and creates no segment; the
-names are checked either way.)
+one, and no segment may be left in /dev/shm once an engine is up. (vLLM's AVX2 CPU kernels lack the
+SHM communicator - then vLLM falls back to torch.distributed and creates no segment, and the
+collision cannot happen; the names vLLM would use are checked either way, and `shm_communicator` in
+the results says which case ran.)
 """
 
 from __future__ import annotations
