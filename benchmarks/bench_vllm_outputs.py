@@ -100,13 +100,16 @@ def main() -> None:
     tokens = sum(len(r) for r in a.response_ids)
     times: dict[str, list[float]] = {"before": [], "now": []}
     for _ in range(args.repeats):
-        for name, run in (("before", lambda: before(per_position, prompt_ids, params)), ("now", lambda: collect_outputs(flat, prompt_ids, params))):
+        sides = (("before", lambda: before(per_position, prompt_ids, params)), ("now", lambda: collect_outputs(flat, prompt_ids, params)))
+        for name, run in sides:
             started = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - started)
-    print(f"{args.prompts} prompts x {args.n} responses, {tokens:,} response tokens; {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    machine = platform.processor() or platform.machine()
+    print(f"{args.prompts} prompts x {args.n} responses, {tokens:,} response tokens; {machine}, torch {torch.__version__}")
     for name, values in times.items():
-        print(f"{name:>6}: median {statistics.median(values):.4f} s (min {min(values):.4f}, max {max(values):.4f}), {tokens / statistics.median(values) / 1e6:.2f} M tokens/s")
+        median = statistics.median(values)
+        print(f"{name:>6}: median {median:.4f} s (min {min(values):.4f}, max {max(values):.4f}), {tokens / median / 1e6:.2f} M tokens/s")
     print(f"speed-up: {statistics.median(times['before']) / statistics.median(times['now']):.1f}x")
 
 

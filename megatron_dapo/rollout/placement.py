@@ -174,10 +174,10 @@ def assign_engine_devices(
         raise ValueError(f"unknown rollout.engine {engine!r}; use one of {', '.join(ENGINE_KINDS)}")
     if rollout_tp < 1:
         raise ValueError(f"rollout.tp must be >= 1, got {rollout_tp}")
-    assigned = [
-        _spmd_engine(group, rollout_tp, ranks) if placement == "spmd" else _leader_engine(group, engine, rollout_tp, ranks)
-        for group in engines
-    ]
+    if placement == "spmd":
+        assigned = [_spmd_engine(group, rollout_tp, ranks) for group in engines]
+    else:
+        assigned = [_leader_engine(group, engine, rollout_tp, ranks) for group in engines]
     _refuse_shared_gpus(assigned, ranks)
     return assigned
 
@@ -252,6 +252,7 @@ def _refuse_shared_gpus(engines: Sequence[EngineDevices], ranks: Sequence[RankGp
             if other is not None:
                 raise PlacementError(
                     f"GPU {gpu} of {node} would hold two rollout engine shards (of the engines of ranks {other} and "
-                    f"{engine.owner}): trainer ranks share GPUs; launch one task per GPU (every rank on its own GPU: LOCAL_RANK / SLURM_LOCALID)"
+                    f"{engine.owner}): trainer ranks share GPUs; launch one task per GPU (every rank on its own GPU: "
+                    "LOCAL_RANK / SLURM_LOCALID)"
                 )
             users[(node, gpu)] = engine.owner
