@@ -160,6 +160,13 @@ class RolloutConfig:
     own and may finish minutes apart, so the ranks meet on a gloo group with this timeout before any
     tensor moves over the default group (NCCL on GPUs), whose timeout is
     `trainer.collective_timeout_s`. Raise it if one generation batch can take longer."""
+    seed_per_prompt: bool = False
+    """How training generation is seeded (validation always seeds per prompt). false: each generation
+    batch seeds the engine's sampler once (from rollout.seed, the step, the batch and the engine) and
+    all requests draw from it together: fast, and a resumed run repeats the same tokens where the
+    engine schedules deterministically (vLLM's spmd placement, the embedded engine). true: every
+    prompt gets its own seed, so its responses do not depend on batching or scheduling (vLLM's
+    leader placement too), at the cost of vLLM's per-request sampling path at every decode step."""
 
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")

@@ -236,6 +236,7 @@ class DAPOTrainer:
         params = SamplingParams(
             n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.top_k,
             max_new_tokens=r.max_response_length, stop=tuple(r.stop), seed=_mix_seed(r.seed, -1, 0, share),
+            seed_per_prompt=True,  # validation scores must not depend on how the engine batches
         )  # fmt: skip
         local = generate_and_score(
             self.rollout, self.reward, examples, params, uid_prefix=f"val{share}:", validating=True,
@@ -270,7 +271,7 @@ class DAPOTrainer:
         indices = shard_for_rank(self.sampler.next_batch(), share, shares)
         params = SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_length,
-            stop=tuple(r.stop), seed=_mix_seed(r.seed, self.step, gen_index, share),
+            stop=tuple(r.stop), seed=_mix_seed(r.seed, self.step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
         )  # fmt: skip
         local = generate_and_score(
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,

@@ -45,6 +45,15 @@ class SamplingParams:
     """Stop strings (engines that support them; the embedded engine checks decoded text only to stop, not to truncate)."""
     seed: Optional[int] = None
     """Same seed, same prompts, same weights -> same responses (per engine)."""
+    seed_per_prompt: bool = True
+    """How a seed reaches the engine's sampler. True: each prompt gets its own random streams
+    (derived from the seed and the prompt's index), so its responses do not depend on what else is
+    in the batch or how the engine schedules it - reproducible anywhere, at a price in vLLM (a
+    per-request generator path at every decode step). False: the seed reseeds the engine's sampler
+    once per call and all requests draw from it in one batched step - reproducible where the
+    engine schedules deterministically (vLLM's spmd placement). The trainer uses False for training
+    (`rollout.seed_per_prompt`) and True for validation. The embedded engine always seeds once per
+    call and SGLang per sample (its seeded sampling is batched): both ignore this."""
     logprobs: bool = True
     """Return the engine's log-prob of each sampled token (under the sampling temperature)."""
 

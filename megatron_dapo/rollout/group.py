@@ -31,6 +31,11 @@ the actor's TP > 1 and the leader's TP group shares a node, except for the embed
 (there the NCCL gather lands directly in GPU memory, while the file path would go through host
 memory); otherwise gather.
 
+Devices (GPU runs): every engine computes on GPUs of its own ranks (`placement.assign_engine_devices`,
+decided from every rank's GPU at start, identically on every rank): a leader's vLLM processes get
+them as CUDA_VISIBLE_DEVICES, SGLang as base_gpu_id / gpu_id_step; a layout that cannot hold the
+engines stops the run at start with a `PlacementError`.
+
 Sleep: `sleep(level)` frees the engines' accelerator memory during the update (`rollout.
 free_cache_engine`, level `rollout.sleep_level`); `wake_up(tags)` brings back "weights" and/or
 "kv_cache" (None = both), so the trainer can push weights before the KV cache returns.
@@ -46,15 +51,29 @@ import torch
 
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from megatron_dapo.rollout.placement import SpmdSlot, resolve_placement
+from megatron_dapo.rollout.placement import (
+    EngineDevices,
+    RankGpu,
+    SpmdSlot,
+    assign_engine_devices,
+    replica_groups,
+    resolve_placement,
+)
 
 SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
 
 
-def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device, placement: str = "leader") -> RolloutEngine:
+def make_engine(
+    cfg: Any,
+    hf_dir: str | os.PathLike,
+    device: torch.device,
+    placement: str = "leader",
+    devices: Optional[EngineDevices] = None,
+) -> RolloutEngine:
     """The engine `cfg.rollout.engine` names, loaded from `hf_dir` (weights are replaced by the first sync).
 
     `placement="spmd"` (vLLM only) is a collective: every rank of the world calls it at once.
+    `devices` are the engine's GPUs (`engine_devices`; None: no GPU, or the engine's default).
     """
     r = cfg.rollout
     max_model_len = r.max_prompt_length + r.max_response_length + 8
@@ -78,6 +97,7 @@ def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device, place
             seed=r.seed,
             weight_bucket_mb=r.weight_sync_bucket_mb,
             placement=placement,
+            visible_devices=devices.cuda_visible_devices if devices is not None and placement == "leader" else None,
             **kwargs,
         )
     if r.engine == "sglang":
@@ -91,6 +111,7 @@ def make_engine(cfg: Any, hf_dir: str | os.PathLike, device: torch.device, place
             max_model_len=max_model_len,
             seed=r.seed,
             weight_bucket_mb=r.weight_sync_bucket_mb,
+            **({} if devices is None else {"base_gpu_id": devices.base_gpu_id, "gpu_id_step": devices.gpu_id_step}),
         )
     raise ValueError(f"unknown rollout.engine {r.engine!r}")
 
@@ -136,6 +157,50 @@ def choose_sync_mode(
     if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
         return "shared_memory"
     return "gather"
+
+
+def this_rank_gpu(device: torch.device) -> Optional[RankGpu]:
+    """Where this rank computes (node, the GPUs its process sees, its own); None off the GPU."""
+    import socket
+
+    if device.type != "cuda":
+        return None
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = tuple(v.strip() for v in listed.split(","))[:count] if listed else tuple(str(i) for i in range(count))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return RankGpu(socket.gethostname(), visible, index)
+
+
+def engine_devices(placement: str, engine: str, rollout_tp: int, mine: RankGpu) -> Optional[EngineDevices]:
+    """The GPUs of the engine this rank builds (leader placement: on the replica's leader; spmd: the
+    engine its shard belongs to); None on ranks that build none. A world collective: every rank
+    passes its `RankGpu` (`this_rank_gpu`) and every rank checks the whole layout, so a layout that
+    cannot work fails on every rank alike (`placement.PlacementError`)."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if ps.model_parallel_is_initialized():
+        coordinates = (
+            ps.get_data_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_context_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(),
+        )
+    else:
+        coordinates = (rank, 0, 0, 0)  # every rank is a replica of its own
+    table = gather_objects((mine, coordinates))
+    ranks = [entry[0] for entry in table]
+    if placement == "spmd":
+        groups = [SpmdSlot(first, world, rollout_tp).group_ranks for first in range(0, world, rollout_tp)]
+    else:
+        groups = replica_groups([entry[1] for entry in table])
+    for devices in assign_engine_devices(placement, engine, rollout_tp, ranks, groups):
+        if rank == devices.owner or (placement == "spmd" and rank in devices.ranks):
+            return devices
+    return None
 
 
 def _leader_tp_group_hosts() -> list[str]:
@@ -194,14 +259,17 @@ class RolloutGroup:
             raise FileNotFoundError(f"model.hf_dir={hf_dir} has no config.json (the rollout engine starts from it)")
         r = cfg.rollout
         slot = None
-        if resolve_placement(r.placement, r.engine) == "spmd":
+        placement = resolve_placement(r.placement, r.engine)
+        mine = this_rank_gpu(device)  # the same device type on every rank: all gather, or none
+        devices = engine_devices(placement, r.engine, r.tp, mine) if mine is not None else None
+        if placement == "spmd":
             import torch.distributed as dist
 
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
             slot = SpmdSlot(rank, world, r.tp)
-            engine = make_engine(cfg, hf_dir, device, placement="spmd")
+            engine = make_engine(cfg, hf_dir, device, placement="spmd", devices=devices)
         else:
-            engine = make_engine(cfg, hf_dir, device) if is_replica_leader() else None
+            engine = make_engine(cfg, hf_dir, device, devices=devices) if is_replica_leader() else None
         return cls(
             engine,
             free_cache=r.free_cache_engine,
@@ -238,8 +306,10 @@ class RolloutGroup:
         """
         if self.engine is None:
             return None
-        out = self.engine.generate(prompt_ids, params)
-        return out if self.is_leader else None
+        if self.spmd is not None and not self.is_leader:
+            # Only the group's first rank hands its results on: the others skip reading vLLM's outputs.
+            return self.engine.generate(prompt_ids, params, collect=False)
+        return self.engine.generate(prompt_ids, params)
 
     def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float):
         """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""

@@ -12,11 +12,21 @@ Two placements (`rollout.placement`):
   hands the results on. Consecutive ranks keep a group on one node, as launchers place them.
 
 "auto" is spmd for vLLM (the only engine here that runs SPMD) and leader for the others.
+
+Devices (`assign_engine_devices`, GPU runs): an engine computes only on GPUs of its own ranks. In the
+spmd placement each rank opens its own GPU. In the leader placement the leader's engine takes the
+first `rollout.tp` GPUs of its replica on the leader's node (replica ranks in (PP, CP, TP) order: the
+leader's own GPU first); with actor TP 4 and rollout.tp 2 on 8 GPUs the leaders at local ranks 0
+and 4 get GPUs 0-1 and 4-5. vLLM's processes are given them as CUDA_VISIBLE_DEVICES, SGLang as
+`base_gpu_id` + `gpu_id_step` (it puts TP rank i on GPU base + i * step). A layout where an engine
+would need a GPU outside its replica, one its leader cannot see, or one another engine uses is
+refused with a `PlacementError` that names the keys to change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 PLACEMENT_CHOICES = ("auto", "spmd", "leader")
 SPMD_ENGINES = ("vllm",)
@@ -77,3 +87,172 @@ class SpmdSlot:
     def hands_on_results(self) -> bool:
         """The group's first rank: the one whose outputs are gathered to every rank."""
         return self.tp_rank == 0
+
+
+# ---- devices ------------------------------------------------------------------------------------
+
+
+class PlacementError(ValueError):
+    """A rollout layout the GPUs cannot hold; the message names the keys to change."""
+
+
+@dataclass(frozen=True)
+class RankGpu:
+    """Where one trainer rank computes: its node, the GPUs its process sees, and the one it uses."""
+
+    node: str
+    visible: tuple[str, ...]
+    """The GPUs this process sees, in CUDA order, by their node-wide ids (the CUDA_VISIBLE_DEVICES
+    entries; "0".."n-1" where it is unset)."""
+    index: int
+    """The CUDA index of this rank's GPU in its own process (`torch.cuda.current_device()`)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < len(self.visible):
+            raise ValueError(f"GPU index {self.index} is outside the {len(self.visible)} GPUs this process sees")
+
+    @property
+    def gpu(self) -> str:
+        """This rank's GPU by its node-wide id."""
+        return self.visible[self.index]
+
+
+@dataclass(frozen=True)
+class EngineDevices:
+    """The GPUs one engine computes on."""
+
+    owner: int
+    """The global rank that builds the engine (leader placement) or the group's first rank (spmd)."""
+    ranks: tuple[int, ...]
+    """The trainer ranks whose GPUs the engine uses, in engine TP-rank order."""
+    node: str
+    gpus: tuple[str, ...]
+    """Node-wide GPU ids, in engine TP-rank order."""
+    indices: tuple[int, ...]
+    """The same GPUs as CUDA numbers them in the process that opens them: the owner's process in the
+    leader placement (its engine processes inherit its view), each rank's own in spmd."""
+
+    @property
+    def base_gpu_id(self) -> int:
+        """SGLang's `base_gpu_id`: the GPU of engine TP rank 0, in the owner's numbering."""
+        return self.indices[0]
+
+    @property
+    def gpu_id_step(self) -> int:
+        """SGLang's `gpu_id_step`: the distance between consecutive TP ranks' GPUs (1 for one GPU)."""
+        return self.indices[1] - self.indices[0] if len(self.indices) > 1 else 1
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        """CUDA_VISIBLE_DEVICES for processes that should see exactly this engine's GPUs."""
+        return ",".join(self.gpus)
+
+
+ENGINE_KINDS = ("embedded", "vllm", "sglang")
+
+
+def assign_engine_devices(
+    placement: str,
+    engine: str,
+    rollout_tp: int,
+    ranks: Sequence[RankGpu],
+    engines: Sequence[Sequence[int]],
+) -> list[EngineDevices]:
+    """The GPUs of each engine (pure; the same answer on every rank).
+
+    `ranks[r]` is where global rank r computes. `engines` lists each engine's ranks: in the leader
+    placement the replicas (the ranks holding one copy of the actor, leader first, then in (PP, CP,
+    TP) order: `replica_groups`), in spmd the rollout-TP groups (`SpmdSlot.group_ranks`). The
+    embedded engine runs in its leader's process, on the leader's GPU; vLLM and SGLang leaders take
+    the first `rollout_tp` GPUs of the replica on the leader's node. Raises `PlacementError` where an
+    engine would need GPUs outside its replica, GPUs its leader's process cannot see, GPUs SGLang
+    cannot address (not evenly spaced) or GPUs another engine uses.
+    """
+    if placement not in ("leader", "spmd"):
+        raise ValueError(f"placement must be 'leader' or 'spmd', got {placement!r}")
+    if engine not in ENGINE_KINDS:
+        raise ValueError(f"unknown rollout.engine {engine!r}; use one of {', '.join(ENGINE_KINDS)}")
+    if rollout_tp < 1:
+        raise ValueError(f"rollout.tp must be >= 1, got {rollout_tp}")
+    if placement == "spmd":
+        assigned = [_spmd_engine(group, rollout_tp, ranks) for group in engines]
+    else:
+        assigned = [_leader_engine(group, engine, rollout_tp, ranks) for group in engines]
+    _refuse_shared_gpus(assigned, ranks)
+    return assigned
+
+
+def replica_groups(coordinates: Sequence[tuple[int, int, int, int]]) -> list[list[int]]:
+    """Each replica's global ranks, leader first, from every rank's (DP, PP, CP, TP) ranks (pure).
+
+    `coordinates[r]` belongs to global rank r; replicas are ordered by DP rank, and within one the
+    ranks by (PP, CP, TP), so the replica's leader (PP = CP = TP = 0) comes first.
+    """
+    replicas: dict[int, list[tuple[tuple[int, int, int], int]]] = {}
+    for rank, (dp, pp, cp, tp) in enumerate(coordinates):
+        replicas.setdefault(dp, []).append(((pp, cp, tp), rank))
+    return [[rank for _, rank in sorted(replicas[dp])] for dp in sorted(replicas)]
+
+
+def _leader_engine(group: Sequence[int], engine: str, rollout_tp: int, ranks: Sequence[RankGpu]) -> EngineDevices:
+    owner = group[0]
+    leader = ranks[owner]
+    if engine == "embedded":
+        chosen = [owner]  # the embedded engine runs in the leader's process, on its GPU
+    else:
+        on_node, seen = [], set()
+        for rank in group:
+            if ranks[rank].node == leader.node and ranks[rank].gpu not in seen:
+                on_node.append(rank)
+                seen.add(ranks[rank].gpu)
+        if len(on_node) < rollout_tp:
+            raise PlacementError(
+                f"rollout.tp={rollout_tp} needs {rollout_tp} GPUs of one replica on its leader's node, but the replica of "
+                f"rank {owner} (ranks {list(group)}) has {len(on_node)} on {leader.node}: its engine would compute on GPUs "
+                f"of other replicas. Use rollout.tp <= {len(on_node)}, more model parallelism per node (parallel.tp x "
+                "parallel.pp x parallel.cp), or rollout.placement=spmd (vLLM)"
+            )
+        chosen = on_node[:rollout_tp]
+    gpus = tuple(ranks[rank].gpu for rank in chosen)
+    hidden = [gpu for gpu in gpus if gpu not in leader.visible]
+    if hidden:
+        raise PlacementError(
+            f"the rollout engine of rank {owner} needs GPUs {list(gpus)} of {leader.node}, but that process sees only "
+            f"{list(leader.visible)} (CUDA_VISIBLE_DEVICES): let every task see all GPUs of its node (e.g. srun without "
+            "--gpus-per-task), or use rollout.tp=1, or rollout.placement=spmd (vLLM)"
+        )
+    indices = tuple(leader.visible.index(gpu) for gpu in gpus)
+    if engine == "sglang" and len(indices) > 1:
+        step = indices[1] - indices[0]
+        if step < 1 or any(b - a != step for a, b in zip(indices, indices[1:])):
+            raise PlacementError(
+                f"SGLang puts engine TP rank i on GPU base_gpu_id + i * gpu_id_step, but the replica of rank {owner} "
+                f"holds GPUs {list(indices)} for its rollout.tp={rollout_tp} engine (not evenly spaced): use a "
+                "rollout.tp that the replica's first pipeline stage holds (<= parallel.tp x parallel.cp), or "
+                "rollout.engine=vllm"
+            )
+    return EngineDevices(owner, tuple(chosen), leader.node, gpus, indices)
+
+
+def _spmd_engine(group: Sequence[int], rollout_tp: int, ranks: Sequence[RankGpu]) -> EngineDevices:
+    if len(group) != rollout_tp:
+        raise ValueError(f"an spmd engine group has rollout.tp={rollout_tp} ranks, got {list(group)}")
+    members = [ranks[rank] for rank in group]
+    return EngineDevices(
+        group[0], tuple(group), members[0].node, tuple(m.gpu for m in members), tuple(m.index for m in members)
+    )
+
+
+def _refuse_shared_gpus(engines: Sequence[EngineDevices], ranks: Sequence[RankGpu]) -> None:
+    users: dict[tuple[str, str], int] = {}
+    for engine in engines:
+        for rank in engine.ranks:
+            node, gpu = ranks[rank].node, ranks[rank].gpu
+            other: Optional[int] = users.get((node, gpu))
+            if other is not None:
+                raise PlacementError(
+                    f"GPU {gpu} of {node} would hold two rollout engine shards (of the engines of ranks {other} and "
+                    f"{engine.owner}): trainer ranks share GPUs; launch one task per GPU (every rank on its own GPU: "
+                    "LOCAL_RANK / SLURM_LOCALID)"
+                )
+            users[(node, gpu)] = engine.owner

@@ -15,13 +15,19 @@ that record every call it makes. Source read: sgl-project/sglang main,
 (the 0.5.x line; `setup.py` asks for sglang>=0.5). The calls used have kept their shape since 0.4.6:
 
 - `sglang.Engine(model_path=, tp_size=, dtype=, mem_fraction_static=, random_seed=,
-  enable_memory_saver=, context_length=, log_level=, **server_args)`;
+  enable_memory_saver=, context_length=, log_level=, [base_gpu_id=, gpu_id_step=,] **server_args)`;
 - `Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=bool)` ->
   one dict per input row, in input order: {"text", "output_ids", "meta_info": {"finish_reason":
   {"type": "stop" | "length" | "abort", ...}, "completion_tokens", "output_token_logprobs":
   [(log_prob, token_id, text), ...]}};
 - `Engine.update_weights_from_tensor(named_tensors=, load_format=, flush_cache=)` -> (ok, message);
 - `Engine.flush_cache()`, `release_memory_occupation()`, `resume_memory_occupation()`, `shutdown()`.
+
+Devices. SGLang starts one scheduler process per TP rank and puts TP rank i on GPU
+`base_gpu_id + i * gpu_id_step`, counted among the GPUs this process sees (0.5.23:
+`entrypoints/engine.py`, `_launch_scheduler_processes`; the fields in `arg_groups/fields/device.py`).
+Without them every engine starts on GPU 0: the trainer passes each leader's own GPUs
+(`placement.assign_engine_devices`).
 
 Generation. Each prompt is sent `n` times as separate rows (sampling param n = 1), so the output is
 prompt-major by construction and each sample can carry its own seed (`sampling_seed` = seed + row,
@@ -168,9 +174,19 @@ class SGLangEngine(RolloutEngine):
         enable_memory_saver: bool = True,
         weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
         weight_load_format: Literal["flattened_bucket", "tensors"] = "flattened_bucket",
+        base_gpu_id: Optional[int] = None,
+        gpu_id_step: int = 1,
         **engine_kwargs: Any,
     ) -> None:
-        """Start SGLang on an HF model directory; other keyword arguments go to `sglang.Engine`."""
+        """Start SGLang on an HF model directory; other keyword arguments go to `sglang.Engine`.
+
+        `base_gpu_id` / `gpu_id_step`: the engine's GPUs, TP rank i on GPU base + i * step (this
+        process's CUDA numbering; `placement.EngineDevices`); None leaves SGLang's default (GPU 0 on).
+        """
+        if base_gpu_id is not None:
+            if base_gpu_id < 0 or gpu_id_step < 1:
+                raise ValueError(f"base_gpu_id must be >= 0 and gpu_id_step >= 1, got {base_gpu_id} and {gpu_id_step}")
+            engine_kwargs.update(base_gpu_id=base_gpu_id, gpu_id_step=gpu_id_step)
         sglang = _import_sglang()
         require_version("sglang")  # installed version in the tested range, every API we call present
         if weight_bucket_mb <= 0:

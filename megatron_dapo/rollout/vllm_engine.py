@@ -46,9 +46,13 @@ back everything. The engine tracks what is asleep even where sleep mode is off, 
 load weights while "weights" sleep or to generate while anything sleeps: a wrong call order fails
 on a CPU test machine too.
 
-Environment. On CPU `TORCH_COMPILE_DISABLE=1` (unless set) avoids a 10-30 s compile; vLLM's cache
-and RPC sockets go to a private temporary directory (`VLLM_CACHE_ROOT`, `VLLM_RPC_BASE_PATH`) that
-`shutdown` removes. These are set only while the engine starts and restored afterwards. Leader
+Environment. On CPU `TORCH_COMPILE_DISABLE=1` (unless set) avoids a 10-30 s compile; vLLM's RPC
+sockets go to a private temporary directory (`VLLM_RPC_BASE_PATH`) that `shutdown` removes, and so
+does its compile cache unless `VLLM_CACHE_ROOT` is already set (the sbatch scripts set one per node). What each placement needs is set explicitly (`vllm_launch`): leader
+`VLLM_ENABLE_V1_MULTIPROCESSING=1` and the engine's GPUs as CUDA_VISIBLE_DEVICES (`visible_devices`);
+spmd `VLLM_ENABLE_V1_MULTIPROCESSING=0`, RANK and LOCAL_RANK, and on CPU /dev/shm segment names
+unique to the engine (removed as soon as it is up). These are set only while the engine starts and
+restored afterwards. Leader
 placement with TP > 1 on CPU: each TP worker's OpenMP threads are bound to its own block of the
 allowed CPUs (`cpu_thread_binding`; vLLM's automatic binding wants one NUMA node per worker) unless
 `VLLM_CPU_OMP_THREADS_BIND` is set; vLLM starts its engine core with `spawn` there, so a script
@@ -60,7 +64,6 @@ cache from `gpu_memory_utilization` times the machine's RAM unless `kv_cache_mem
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -74,6 +77,13 @@ from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, Rol
 from megatron_dapo.rollout.bucketing import bucket_device, iter_buckets, write_safetensors
 from megatron_dapo.rollout.vllm_io import collect_outputs, vllm_sampling_kwargs
 from megatron_dapo.versions import require as require_version
+from megatron_dapo.rollout.vllm_launch import (
+    leader_environment,
+    new_shared_memory_token,
+    remove_own_shared_memory_segments,
+    spmd_environment,
+    unique_shared_memory_names,
+)
 
 _INSTALL_HINT = (
     "the vLLM rollout engine needs vLLM: `pip install vllm` on a GPU machine, or the CPU build "
@@ -154,6 +164,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
         placement: str = "leader",
+        visible_devices: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start vLLM on an HF model directory (config, safetensors weights, tokenizer).
@@ -162,7 +173,9 @@ class VLLMEngine(RolloutEngine):
         `weight_bucket_mb` bounds the memory a weight push holds at once (one bucket, plus its file
         in /dev/shm in the leader placement). `placement` is "leader" or "spmd" (module docstring;
         "spmd" is a collective: every rank of the torch.distributed world builds its engine at
-        once). Other keyword arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
+        once). `visible_devices` (leader placement) is the CUDA_VISIBLE_DEVICES of vLLM's processes:
+        the engine's GPUs (`placement.EngineDevices.cuda_visible_devices`); None inherits this
+        process's. Other keyword arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
         """
         vllm, self._tokens_prompt = _import_vllm()
         require_version("vllm")  # installed version in the tested range, every API we call present
@@ -174,6 +187,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("VLLMEngine sets worker_extension_cls itself; it cannot be overridden")
         if "distributed_executor_backend" in engine_kwargs:
             raise ValueError("VLLMEngine picks distributed_executor_backend from `placement`")
+        if placement == "spmd" and visible_devices is not None:
+            raise ValueError("visible_devices is for the leader placement: an SPMD rank computes on its own device")
         from vllm.platforms import current_platform
 
         self.placement = placement
@@ -192,24 +207,38 @@ class VLLMEngine(RolloutEngine):
         self._asleep_tags: set[str] = set()
         self._llm = None
         self._dist_idents: set[str] = set()
+        self._shm_token: Optional[str] = None
+        self._shm_rank = 0
+        self._shm_prefix: Optional[str] = None
         # Temporary directories go even if the engine is never shut down (vLLM reaps its own processes).
         self._cleanup = weakref.finalize(self, _remove_dirs, self._temp_dir, self._transfer_dir)
 
         engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
-        environment = {"VLLM_CACHE_ROOT": str(self._temp_dir / "cache"), "VLLM_RPC_BASE_PATH": str(self._temp_dir)}
+        # A VLLM_CACHE_ROOT set by the launcher (slurm/common.sh: one node-local directory per node) is
+        # kept, so compiled graphs survive restarts and requeues; otherwise a private one per engine.
+        cache_root = os.environ.get("VLLM_CACHE_ROOT") or str(self._temp_dir / "cache")
+        environment = {"VLLM_CACHE_ROOT": cache_root, "VLLM_RPC_BASE_PATH": str(self._temp_dir)}
         if self._on_cpu and "TORCH_COMPILE_DISABLE" not in os.environ:
             environment["TORCH_COMPILE_DISABLE"] = "1"
         if placement == "spmd":
             environment.update(_spmd_environment(tensor_parallel_size))
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
-        elif self._on_cpu and tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            environment["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)))
+            # A job-unique prefix for the CPU communicator's /dev/shm segments (vllm_launch).
+            if self._on_cpu:
+                import torch.distributed as dist
+
+                self._shm_token, self._shm_rank = _agreed_shared_memory_token(), dist.get_rank()
+        else:
+            environment.update(leader_environment(visible_devices))
+            if self._on_cpu and tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)))
         from megatron_dapo.rollout.process_state import preserved_process_state
 
+        shm_names: dict[str, Optional[str]] = {"prefix": None}
         try:
             # Everything vLLM changes in this process while starting (environment, threads, RNG,
             # NUMA policy: see process_state) is put back; its processes, spawned now, keep theirs.
-            with preserved_process_state():
+            with preserved_process_state(), unique_shared_memory_names(self._shm_token) as shm_names:
                 os.environ.update(environment)
                 self._llm = vllm.LLM(
                     model=str(hf_dir),
@@ -227,6 +256,8 @@ class VLLMEngine(RolloutEngine):
             self._remove_temp_dirs()
             raise
         finally:
+            self._remove_shared_memory_names()
+            self._shm_prefix = shm_names["prefix"]
             if placement == "spmd":
                 # An in-process engine core freezes vLLM's view of the environment (`envs.
                 # enable_envs_cache`) as it was while starting; later engines of this process must
@@ -255,19 +286,56 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, collect: bool = True
+    ) -> Optional[GenerationOutput]:
+        """Generate `params.n` responses per prompt (prompt-major); None where `collect` is False.
+
+        Seeds (`params.seed`, `params.seed_per_prompt`): per prompt, request i carries the seed
+        `seed + i` and vLLM samples it from its own generator (reproducible whatever the batching,
+        at the cost of vLLM's per-request sampling path at every decode step); per engine, the
+        workers' sampler is reseeded with `seed` before the call and every request draws from it in
+        one batched step (reproducible where the engine schedules deterministically: the spmd
+        placement). `collect=False` (an SPMD rank whose results are not handed on) skips turning
+        vLLM's outputs into a `GenerationOutput`.
+        """
         from vllm import SamplingParams as VLLMSamplingParams
 
         llm = self._ready()
+        engine_seed = params.seed if not params.seed_per_prompt else None
         if self.placement == "spmd" and params.seed is None:
-            # Every rank of the group samples on its own and must draw the same tokens; without a
-            # seed vLLM would use each process's global generator (the trainer's, which may differ).
-            params = dataclasses.replace(params, seed=self._unseeded_seed + 7919 * self._unseeded_calls)
+            # Every rank of the group samples on its own and must draw the same tokens; unseeded, vLLM
+            # would draw from each process's generator as the trainer left it, which may differ.
+            engine_seed = self._unseeded_seed + 7919 * self._unseeded_calls
             self._unseeded_calls += 1
-        prompts = [self._tokens_prompt(prompt_token_ids=[int(token) for token in ids]) for ids in prompt_ids]
-        sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(params, index)) for index in range(len(prompts))]
-        outputs = llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
-        return collect_outputs(outputs, prompt_ids, params)
+        prompts = [[int(token) for token in ids] for ids in prompt_ids]
+        requests = [self._tokens_prompt(prompt_token_ids=ids) for ids in prompts]
+        sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(params, index)) for index in range(len(requests))]
+        with self._sampler_seeded(engine_seed):
+            outputs = llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        if not collect:
+            if len(outputs) != len(prompts):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+            return None
+        return collect_outputs(outputs, prompts, params)
+
+    @contextlib.contextmanager
+    def _sampler_seeded(self, seed: Optional[int]) -> Iterator[None]:
+        """Reseed every worker's sampler (torch's default generators there) for the body; None: leave them.
+
+        SPMD: the worker is this process, so the trainer's generators are put back afterwards.
+        """
+        if seed is None:
+            yield
+            return
+        if self.placement != "spmd":
+            self._rpc("mdapo_seed_sampler", seed)
+            yield
+            return
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            self._rpc("mdapo_seed_sampler", seed)
+            yield
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -429,8 +497,18 @@ class VLLMEngine(RolloutEngine):
 
                 gc.collect()
         self._remove_temp_dirs()
+        self._remove_shared_memory_names()
         _remove_process_group_files(self._dist_idents)
         self._dist_idents = set()
+
+    @property
+    def shared_memory_prefix(self) -> Optional[str]:
+        """SPMD on CPU: the prefix vLLM gave this engine's /dev/shm segment names (its VLLM_DIST_IDENT
+        while starting): a token new for every engine and the same on its ranks (`vllm_launch`)."""
+        return self._shm_prefix
+
+    def _remove_shared_memory_names(self) -> None:
+        remove_own_shared_memory_segments(self._shm_token, self._shm_rank)
 
     def _remove_temp_dirs(self) -> None:
         self._cleanup()
@@ -486,11 +564,18 @@ def _spmd_environment(tensor_parallel_size: int) -> dict[str, str]:
     world = dist.get_world_size()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"rollout tp ({tensor_parallel_size}) must divide the world size ({world}) for placement spmd")
-    # vLLM takes its rank from RANK and its device from LOCAL_RANK (cuda:LOCAL_RANK). Where a launcher
-    # gives each task one visible GPU, the device is cuda:0 whatever the node-local rank is, so
-    # LOCAL_RANK is this process's current device, not the launcher's number.
-    local = str(torch.cuda.current_device()) if torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0")
-    return {"RANK": str(dist.get_rank()), "LOCAL_RANK": local}
+    # LOCAL_RANK is this process's current device, not the launcher's number (see spmd_environment).
+    local = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", "0"))
+    return spmd_environment(dist.get_rank(), local)
+
+
+def _agreed_shared_memory_token() -> str:
+    """A fresh shared-memory token, the same on every rank (a world collective, like the engine start)."""
+    import torch.distributed as dist
+
+    box = [new_shared_memory_token() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _destroy_vllm_groups() -> None:

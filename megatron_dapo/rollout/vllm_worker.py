@@ -186,6 +186,12 @@ class VLLMWorkerExtension:
         return os.environ.get("VLLM_DIST_IDENT")
 
     @_reported
+    def mdapo_seed_sampler(self, seed: int) -> None:
+        """Reseed the generators vLLM's sampler draws unseeded requests from (torch's defaults: CPU and
+        every GPU), so that one engine-level seed reproduces a whole generate call."""
+        torch.manual_seed(seed)
+
+    @_reported
     def mdapo_export_weights(self, directory: str) -> dict[str, Any]:
         """Write this worker's weights, HF-named, to `<directory>/tp<rank>.safetensors`.
 

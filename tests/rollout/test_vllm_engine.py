@@ -60,12 +60,15 @@ def test_sampling_kwargs():
         stop_token_ids=[5, 6],
         stop=[],
         include_stop_str_in_output=True,
-        seed=14,
+        seed=22,  # 10 + prompt 4 * n 3: samples j = 0..2 get 22..24 from vLLM
         logprobs=0,
+        flat_logprobs=True,
         detokenize=False,
     )
     unseeded = vllm_sampling_kwargs(SamplingParams(top_k=20, stop=("\n",), logprobs=False), prompt_index=2)
     assert (unseeded["seed"], unseeded["top_k"], unseeded["logprobs"], unseeded["detokenize"]) == (None, 20, None, True)
+    # Seeded per engine: the requests carry no seed (the engine reseeds its sampler for the call).
+    assert vllm_sampling_kwargs(SamplingParams(seed=10, seed_per_prompt=False), prompt_index=4)["seed"] is None
 
 
 def test_write_safetensors_round_trip(tmp_path):

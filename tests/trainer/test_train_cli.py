@@ -167,7 +167,8 @@ def test_spmd_vllm_tp2_steps_equal_the_leader_placement(demo_workspace, tmp_path
     for placement in ("spmd", "leader"):
         out = tmp_path / placement
         proc = run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm", "parallel.tp=2",
-                       "rollout.tp=2", f"rollout.placement={placement}", *workspace_overrides(demo_workspace, out), nproc=2, timeout=600)  # fmt: skip
+                       "rollout.tp=2", f"rollout.placement={placement}", "rollout.seed_per_prompt=true",  # batching-independent
+                       *workspace_overrides(demo_workspace, out), nproc=2, timeout=600)  # fmt: skip
         _assert_ok(proc)
         assert f"weight sync: {'tp_shards' if placement == 'spmd' else 'shared_memory'}" in proc.stdout, proc.stdout[-2000:]
         runs[placement] = read_metrics(out)
