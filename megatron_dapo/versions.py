@@ -143,7 +143,8 @@ VLLM = Requirement(
     probes=(
         # rollout/vllm_engine.py
         Probe("vllm", "LLM", fields=("collective_rpc", "generate", "reset_prefix_cache", "sleep", "wake_up")),
-        Probe("vllm", "SamplingParams"),
+        # rollout/vllm_io.py asks for flat log-probs (one list per response, no per-token dicts).
+        Probe("vllm", "SamplingParams", fields=("flat_logprobs",)),
         Probe("vllm.inputs", "TokensPrompt"),
         Probe("vllm.platforms", "current_platform"),
         # LLM(**kwargs) hands these to EngineArgs; an unknown one raises only when the engine starts.
@@ -162,6 +163,8 @@ VLLM = Requirement(
         # The SPMD shutdown swaps this out so that the trainer's default process group survives.
         Probe("vllm.v1.engine.core", "cleanup_dist_env_and_memory"),
         Probe("vllm.v1.engine.core", "EngineCore.shutdown"),
+        # rollout/vllm_launch.py: a job-unique init method for the CPU communicator's /dev/shm names.
+        Probe("vllm.v1.executor.uniproc_executor", "ExecutorWithExternalLauncher._distributed_args"),
         # rollout/vllm_worker.py: in-place weight reload
         Probe("vllm.config", "set_current_vllm_config"),
         Probe(_RELOAD, "initialize_layerwise_reload"),
