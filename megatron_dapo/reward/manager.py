@@ -341,6 +341,7 @@ def _worker_main(conn: Any, progress: Any, setup: _WorkerSetup) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is SLURM's SIGTERM, sent to every process of the job
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     function: Optional[Callable[..., Any]] = None
     tokenizer: Any = None
@@ -652,7 +653,8 @@ class RewardManager:
             if self.start_method == "forkserver":
                 # Workers fork from one server process that imported these modules once, instead of
                 # each paying the imports. Has no effect if the forkserver already runs.
-                preload = ["__main__", __name__]
+                # _forkserver_init: the server ignores SLURM's SIGTERM (so do its workers), see there.
+                preload = ["__main__", __name__, "megatron_dapo.reward._forkserver_init"]
                 if self.decode_in_workers:
                     preload.append(type(self.tokenizer).__module__)
                 multiprocessing.get_context("forkserver").set_forkserver_preload(preload)

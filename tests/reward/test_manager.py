@@ -407,3 +407,53 @@ def test_metrics():
         "reward/overlong_num_penalised": 2.0,
     }
     assert set(reward_metrics(result, prefix="val/")) == {k.replace("reward/", "val/") for k in result.metrics()}
+
+
+_SIGTERM_SCRIPT = """
+import multiprocessing.forkserver, os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from reward import _fixtures as fx
+from megatron_dapo.reward.manager import RewardManager
+
+def batch(texts):
+    tok = fx.CharTokenizer()
+    return [tok.encode(t) + [fx.PAD_ID] for t in texts]
+
+def main():
+    signal.signal(signal.SIGTERM, lambda *_: print("trainer got SIGTERM", flush=True))
+    with RewardManager(fx.CharTokenizer(), num_workers=2, chunk_size=1, start_method={method!r}) as manager:
+        first = manager.score(batch(["a", "b"]), ["g", "g"])
+        workers = [w.process.pid for w in manager._pool.workers]
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        targets = workers + ([server] if server else [])
+        os.killpg(0, signal.SIGTERM) if {whole_group} else [os.kill(pid, signal.SIGTERM) for pid in targets]
+        time.sleep(1.0)
+        alive = all(w.process.is_alive() for w in manager._pool.workers)
+        second = manager.score(batch(["c", "d", "e"]), ["g"] * 3)
+        print("alive", alive, "same", [w.process.pid for w in manager._pool.workers] == workers,
+              "failed", int(second.failed.sum()), "server", bool(server), flush=True)
+
+
+if __name__ == '__main__':  # the workers import this file again
+    main()
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_reward_workers_leave_slurms_sigterm_to_the_trainer(tmp_path, method):
+    """SLURM signals every process of the job: the reward workers (and their forkserver) must keep
+    working until the trainer has checkpointed (it decides when to stop, exit 143)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    script = tmp_path / "sigterm_pool.py"
+    # A fresh interpreter: the forkserver (a per-process singleton) starts with this pool's preload,
+    # in a session of its own so that the whole process group can be signalled like SLURM does.
+    script.write_text(_SIGTERM_SCRIPT.format(tests=tests, method=method, whole_group=True))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "trainer got SIGTERM" in run.stdout
+    expected = "alive True same True failed 0 server " + ("True" if method == "forkserver" else "False")
+    assert expected in run.stdout, run.stdout + run.stderr
