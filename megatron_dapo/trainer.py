@@ -151,7 +151,7 @@ class DAPOTrainer:
                     self.logger.log(metrics, step=self.step)
                     progress.update(self.step, metrics)
                     last = metrics
-                    if t.save_every and (self.step % t.save_every == 0 or self.step == t.total_steps):
+                    if self.step == t.total_steps or (t.save_every and self.step % t.save_every == 0):
                         self.save()
                     if any_rank(self._stop_requested):
                         self._exit_preempted(f"SIGTERM: checkpoint of step {self.step} written")

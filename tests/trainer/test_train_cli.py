@@ -113,6 +113,8 @@ def test_validation_metrics_and_resolved_config(demo_workspace, tmp_path):
         assert 0 <= val["val/acc/mean@4"] <= val["val/pass@2"] <= val["val/pass@4"] <= 1
         assert val["val/pass@1"] == pytest.approx(val["val/acc/mean@4"])  # unbiased pass@1 is the mean accuracy
     assert "model:" in (out / "config.yaml").read_text()
+    # trainer.save_every=0 (FAST): no periodic checkpoints, but the last step is saved.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
 
 
 @pytest.mark.parametrize(
