@@ -63,13 +63,25 @@ MISSING_KERNEL_WARNINGS = (
 """Start of the messages megatron-core 0.16.1 warns with when TE / apex are missing (regexes)."""
 
 
+def _is_override(item: str) -> bool:
+    """A dotted KEY=VALUE override (not an option, not a stray word)."""
+    return not item.startswith("-") and "=" in item
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_known_warnings()
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    # `train CONFIG --resume k=v`: argparse stops filling the `overrides` positional at the first
+    # option, so overrides after an option come back unparsed. They are overrides all the same.
+    unknown = [item for item in extra if not (isinstance(getattr(args, "overrides", None), list) and _is_override(item))]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -54,6 +54,18 @@ def test_train_takes_the_config_positionally_or_with_the_flag():
             resolved(*argv)
 
 
+def test_overrides_may_follow_options():
+    """`config FILE --world-size 2 parallel.tp=2`, `train FILE --resume k=v`: overrides after an option count."""
+    out = run_cli("config", "configs/tiny_cpu.yaml", "--world-size", "2", "parallel.tp=2", "rollout.n=4")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert (resolved["parallel"]["tp"], resolved["rollout"]["n"]) == (2, 4)
+    trained = run_cli("train", "configs/tiny_cpu.yaml", "--resume", "model.hf_dir=/nonexistent/model")
+    assert trained.returncode == 2 and "'model.hf_dir'=/nonexistent/model" in trained.stderr, trained.stderr
+    stray = run_cli("train", "configs/tiny_cpu.yaml", "--resume", "--bogus", "a.b=1")
+    assert stray.returncode == 2 and "unrecognized arguments: --bogus" in stray.stderr
+
+
 def test_train_without_a_config_says_how_to_give_one():
     out = run_cli("train", "trainer.total_steps=1")
     assert out.returncode == 2
