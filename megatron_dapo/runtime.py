@@ -318,7 +318,12 @@ def _free_bytes(directory: Path) -> Optional[int]:
     return None
 
 
-def disk_full_error(error: BaseException, output_dir: os.PathLike | str) -> Optional[DiskFullError]:
+RESUME_ADVICE = "then continue with --resume: it starts from the last complete checkpoint (an interrupted save is never used)"
+
+
+def disk_full_error(
+    error: BaseException, output_dir: os.PathLike | str, key: str = "trainer.output_dir", then: str = RESUME_ADVICE
+) -> Optional[DiskFullError]:
     """A `DiskFullError` saying what to do when `error` (or anything it carries) is a write that
     failed for lack of space under `output_dir`, else None.
 
@@ -336,22 +341,21 @@ def disk_full_error(error: BaseException, output_dir: os.PathLike | str) -> Opti
     left = "" if free is None else f"; {free / 2**20:.1f} MiB free now"
     return DiskFullError(
         errno.ENOSPC,
-        f"{what} on the disk of trainer.output_dir={directory}{where}{left}. Free some space or set "
-        "trainer.output_dir to a larger disk (moving the directory there), then continue with --resume: it "
-        "starts from the last complete checkpoint (an interrupted save is never used)",
+        f"{what} on the disk of {key}={directory}{where}{left}. Free some space or set "
+        f"{key} to a larger disk (moving the directory there), {then}",
     )
 
 
 @contextmanager
-def stop_on_full_disk(output_dir: os.PathLike | str):
-    """Turn a failure caused by a full disk under `output_dir` into one `DiskFullError` (see
-    `disk_full_error`); any other error passes unchanged."""
+def stop_on_full_disk(output_dir: os.PathLike | str, key: str = "trainer.output_dir", then: str = RESUME_ADVICE):
+    """Turn a failure caused by a full disk under `output_dir` (the config's `key`) into one
+    `DiskFullError` (see `disk_full_error`) whose advice ends with `then`; any other error passes unchanged."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        full = disk_full_error(error, output_dir)
+        full = disk_full_error(error, output_dir, key, then)
         if full is None:
             raise
         raise full from None

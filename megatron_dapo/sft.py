@@ -152,8 +152,13 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
     from megatron_dapo.train_cli import guarded, resolve_config_argument
 
+    from megatron_dapo.runtime import stop_on_full_disk
+
     def job() -> None:
         resolve_config_argument(args)
-        run_sft(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        # One message, not a traceback per writer; the warm start has no --resume: it is run again.
+        with stop_on_full_disk(cfg.sft.output_dir, key="sft.output_dir", then="then run the warm start again"):
+            run_sft(cfg)
 
     return guarded(job)

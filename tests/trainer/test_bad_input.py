@@ -163,6 +163,15 @@ def test_full_disk_during_training_is_one_message(demo_workspace, tmp_path):
     assert proc.stderr.count("megatron-dapo: stopped") == 1
 
 
+def test_full_disk_during_the_warm_start_is_one_message(demo_workspace, tmp_path):
+    out = tmp_path / "sft"
+    args = ["sft", "--config", str(CONFIG), f"model.hf_dir={demo_workspace['model']}", f"sft.train_files=[{demo_workspace['sft']}]",
+            "sft.total_steps=2", f"sft.output_dir={out}", "trainer.loggers=[console,jsonl]"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _NO_SPACE_AT_METRICS, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    _assert_one_clean_error(proc, 1, f"megatron-dapo: stopped: no space left on the disk of sft.output_dir={out}",
+                            "then run the warm start again")  # fmt: skip
+
+
 def test_config_command_world_size_and_skipped_checks(capsys):
     proc = run_cli("config", str(CONFIG), "--world-size", "0")  # once as a user runs it
     _assert_one_clean_error(proc, 2, "config error: world size 0: a run needs at least one process")
