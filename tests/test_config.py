@@ -69,6 +69,17 @@ def test_bad_keys_and_types_name_the_key(override, expected):
         load_config(None, [override])
 
 
+def test_bare_on_and_off_are_the_words_where_the_choices_are_words(tmp_path):
+    """YAML 1.1 reads `on` / `off` as booleans: `transformer_engine: on` must still mean "on"."""
+    path = tmp_path / "te.yaml"
+    path.write_text("model:\n  transformer_engine: on\n")
+    assert load_config(path).model.transformer_engine == "on"
+    assert load_config(path, ["model.transformer_engine=off"]).model.transformer_engine == "off"
+    assert load_config(None, ["model.transformer_engine=auto"]).model.transformer_engine == "auto"
+    with pytest.raises(ConfigError, match="'rollout.engine' must be one of"):  # no on/off among the choices
+        load_config(None, ["rollout.engine=true"])
+
+
 def test_unknown_key_in_yaml(tmp_path):
     path = write_yaml(tmp_path, "rollout:\n  temprature: 0.7\n")
     with pytest.raises(ConfigError, match="Did you mean 'rollout.temperature'"):
