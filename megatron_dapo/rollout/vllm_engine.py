@@ -240,6 +240,11 @@ class VLLMEngine(RolloutEngine):
             # NUMA policy: see process_state) is put back; its processes, spawned now, keep theirs.
             with preserved_process_state(), unique_shared_memory_names(self._shm_token) as shm_names:
                 os.environ.update(environment)
+                # vLLM reads its settings through `vllm.envs`, which an in-process engine core
+                # freezes (`enable_envs_cache`); this engine must see the environment just set.
+                import vllm.envs
+
+                vllm.envs.disable_envs_cache()
                 self._llm = vllm.LLM(
                     model=str(hf_dir),
                     tensor_parallel_size=tensor_parallel_size,

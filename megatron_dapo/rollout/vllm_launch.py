@@ -49,8 +49,13 @@ SHM_TOKEN_PREFIX = "mdapo_spmd_"
 
 def leader_environment(visible_devices: Optional[str] = None) -> dict[str, str]:
     """Environment for starting a leader-placement engine; `visible_devices` is its CUDA_VISIBLE_DEVICES
-    (`placement.EngineDevices.cuda_visible_devices`), None to let vLLM's processes inherit this one's."""
-    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    (`placement.EngineDevices.cuda_visible_devices`), None to let vLLM's processes inherit this one's.
+
+    vLLM's processes are spawned, never forked: a fork copies the trainer's threads' locks (gloo,
+    NCCL watchdog, reward pool) mid-state, and vLLM only forces spawn itself once CUDA is initialised
+    or, on CPU, while reading a config (an environment frozen by an earlier in-process engine
+    reads its default 'fork')."""
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if visible_devices is not None:
         if not visible_devices:
             raise ValueError("visible_devices must name at least one GPU")

@@ -49,8 +49,9 @@ def test_the_external_launcher_reads_these_variables():
 
 
 def test_leader_environment():
-    assert leader_environment() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    assert leader_environment("4,5") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
+    spawned = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert leader_environment() == spawned
+    assert leader_environment("4,5") == {**spawned, "CUDA_VISIBLE_DEVICES": "4,5"}
     with pytest.raises(ValueError, match="at least one GPU"):
         leader_environment("")
 
@@ -220,8 +221,14 @@ def _child_environments() -> list[dict[str, str]]:
 
 def test_a_leader_engine_starts_its_processes_on_its_gpus(tiny_qwen3, require_vllm):
     """A real leader-placement engine: vLLM's engine core (a spawned process) carries the engine's
-    CUDA_VISIBLE_DEVICES and runs with multiprocessing; this process's environment is unchanged."""
-    before = dict(os.environ)
+    CUDA_VISIBLE_DEVICES and runs with multiprocessing; this process's environment is unchanged.
+    vLLM's view of the environment starts frozen, as an earlier in-process engine core leaves it
+    (its default start method 'fork' would hide the engine's variables from /proc/PID/environ)."""
+    import vllm
+    import vllm.envs
+
+    vllm.envs.enable_envs_cache()
+    before = dict(os.environ)  # after vLLM's import, which sets variables of its own
     cfg = _config("vllm", str(tiny_qwen3))
     cfg.rollout.tp = 1
     devices = EngineDevices(owner=0, ranks=(0,), node="node0", gpus=("GPU-test-0",), indices=(0,))
