@@ -7,7 +7,10 @@ way from tests, from multi-process workers and from scripts, whatever pytest's i
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,23 @@ REPO_ROOT = TESTS_DIR.parent
 for _path in (str(TESTS_DIR), str(REPO_ROOT)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
+
+# vLLM engines of the whole session (in this process, in torchrun workers, in trainer subprocesses)
+# share one cache root, as the sbatch scripts give every engine of a node one: vLLM then inspects
+# each model class once per session instead of in a ~15 s subprocess per engine start (without it
+# every engine has a private root; see rollout/vllm_engine.py). A CPU engine built without a KV
+# cache size gets 1 GiB instead of 60% of the machine's RAM (~18 s to allocate here).
+_VLLM_SESSION_ENV = {}
+if "VLLM_CACHE_ROOT" not in os.environ:
+    _VLLM_SESSION_ENV["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="megatron_dapo_tests_vllm_cache_")
+if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+    _VLLM_SESSION_ENV["VLLM_CPU_KVCACHE_SPACE"] = "1"
+os.environ.update(_VLLM_SESSION_ENV)
+
+
+def pytest_unconfigure(config):
+    if "VLLM_CACHE_ROOT" in _VLLM_SESSION_ENV:
+        shutil.rmtree(_VLLM_SESSION_ENV["VLLM_CACHE_ROOT"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -181,6 +181,13 @@ class VLLMWorkerExtension:
         return refreshed
 
     @_reported
+    def mdapo_process(self, names: list[str]) -> dict[str, Any]:
+        """This worker's process id and its values of the environment variables `names` (None: unset):
+        what a vLLM process really received at launch (/proc/PID/environ is unreliable once vLLM
+        retitles the process)."""
+        return {"pid": os.getpid(), "environment": {name: os.environ.get(name) for name in names}}
+
+    @_reported
     def mdapo_distributed_ident(self) -> Optional[str]:
         """The name vLLM's CPU worker gave its process group (prefix of its /dev/shm segments)."""
         return os.environ.get("VLLM_DIST_IDENT")

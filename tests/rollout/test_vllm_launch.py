@@ -207,21 +207,10 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     return save_tiny_model("qwen3", tmp_path_factory.mktemp("launch") / "qwen3")
 
 
-def _child_environments() -> list[dict[str, str]]:
-    import psutil
-
-    environments = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            environments.append(child.environ())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return environments
-
-
 def test_a_leader_engine_starts_its_processes_on_its_gpus(tiny_qwen3, require_vllm):
     """A real leader-placement engine: vLLM's engine core (a spawned process) carries the engine's
-    CUDA_VISIBLE_DEVICES and runs with multiprocessing; this process's environment is unchanged.
+    CUDA_VISIBLE_DEVICES and runs with multiprocessing (in another process); this process's
+    environment is unchanged.
     vLLM's view of the environment starts frozen, as an earlier in-process engine core leaves it
     (its default start method 'fork' would hide the engine's variables from /proc/PID/environ)."""
     import vllm
@@ -234,9 +223,10 @@ def test_a_leader_engine_starts_its_processes_on_its_gpus(tiny_qwen3, require_vl
     devices = EngineDevices(owner=0, ranks=(0,), node="node0", gpus=("GPU-test-0",), indices=(0,))
     engine = group.make_engine(cfg, tiny_qwen3, torch.device("cpu"), placement="leader", devices=devices)
     try:
-        children = [env for env in _child_environments() if env.get("CUDA_VISIBLE_DEVICES") == "GPU-test-0"]
-        assert children, "no vLLM process got the engine's CUDA_VISIBLE_DEVICES"
-        assert all(env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" for env in children)
+        # What vLLM's worker process (spawned by its engine core, spawned by this process) received.
+        (worker,) = engine._rpc("mdapo_process", ["CUDA_VISIBLE_DEVICES", "VLLM_ENABLE_V1_MULTIPROCESSING"])
+        assert worker["environment"] == {"CUDA_VISIBLE_DEVICES": "GPU-test-0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        assert worker["pid"] != os.getpid()
         after = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}  # make_engine's default
         assert after == {k: v for k, v in before.items() if k != "VLLM_LOGGING_LEVEL"}
         from megatron_dapo.rollout.base import SamplingParams
