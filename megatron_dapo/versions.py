@@ -122,6 +122,9 @@ class Requirement:
     probes: tuple[Probe, ...] = ()
     version_modules: tuple[str, ...] = ()
     """Modules tried for `__version__` before `module` (Megatron-Core keeps it in package_info)."""
+    prepare: str = ""
+    """"module:function" called before the real package is imported and probed, to put this process
+    in the state the engine would (SGLang on CPU: its CPU switch and `sglang_cpu_compat`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,10 +205,12 @@ SGLANG = Requirement(
     tested=VersionRange("0.5.23", "0.5.24"),
     tested_with="sglang 0.5.23",
     install="pip install 'sglang>=0.5.23,<0.5.24' (CPU: make install-sglang-cpu)",
+    prepare="megatron_dapo.rollout.sglang_engine:prepare_import",
     probes=(
         # rollout/sglang_engine.py
+        Probe("sglang", "Engine"),
         Probe(
-            "sglang",
+            "sglang.srt.entrypoints.engine",
             "Engine",
             fields=(
                 "generate",
@@ -219,10 +224,14 @@ SGLANG = Requirement(
                 "shutdown",
             ),
         ),
-        Probe("sglang", "Engine.begin_weight_update", parameters=("selector",)),
-        Probe("sglang", "Engine.update_weights_from_tensor", parameters=("named_tensors", "load_format", "flush_cache")),
-        Probe("sglang", "Engine.resume_memory_occupation", parameters=("tags",)),
-        Probe("sglang", "Engine.release_memory_occupation", parameters=("tags",)),
+        Probe("sglang.srt.entrypoints.engine", "Engine.begin_weight_update", parameters=("selector",)),
+        Probe(
+            "sglang.srt.entrypoints.engine",
+            "Engine.update_weights_from_tensor",
+            parameters=("named_tensors", "load_format", "flush_cache"),
+        ),
+        Probe("sglang.srt.entrypoints.engine", "Engine.resume_memory_occupation", parameters=("tags",)),
+        Probe("sglang.srt.entrypoints.engine", "Engine.release_memory_occupation", parameters=("tags",)),
         # Engine.generate hands these per-row sampling fields to SamplingParams (an unknown one fails per request).
         Probe(
             "sglang.srt.sampling.sampling_params",
@@ -480,8 +489,11 @@ def _check(item: Probe, import_module: ImportModule) -> Optional[str]:
             return f"{item.name} cannot be loaded ({_first_line(error)})"
         if item.absent:
             return f"{item.name} exists: {item.why}" if item.why else f"{item.name} exists"
-    lacking = [name for name in item.fields if not _has_member(target, name)]
-    lacking += [f"parameter {name!r}" for name in item.parameters if _accepts(target, name) is False]
+    try:
+        lacking = [name for name in item.fields if not _has_member(target, name)]
+        lacking += [f"parameter {name!r}" for name in item.parameters if _accepts(target, name) is False]
+    except Exception as error:  # a lazy object (sglang.Engine) whose import fails
+        return f"{item.name} cannot be loaded ({_first_line(error)})"
     if lacking:
         return f"{item.name} lacks {', '.join(lacking)}"
     return None
@@ -503,6 +515,9 @@ def probe(
         # Megatron-Core warns about a missing apex / TE at import: the doctor reports those itself.
         warnings.simplefilter("ignore")
         try:
+            if req.prepare and import_module is importlib.import_module:
+                module_name, function = req.prepare.split(":")
+                getattr(importlib.import_module(module_name), function)()
             import_module(req.module)
         except Exception as error:
             return Report(req, import_error=_first_line(error), allow_untested=allow)

@@ -228,11 +228,8 @@ class SGLangEngine(RolloutEngine):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         self._on_cpu = device == "cpu"
-        compat = self._on_cpu and sglang_cpu_compat.needed("cpu")
-        if self._on_cpu:
-            _select_cpu_engine()
-        if compat:
-            sglang_cpu_compat.install()  # before SGLang's modules import the kernels (this process imports them too)
+        compat = self._on_cpu and sglang_cpu_compat.needed("cpu")  # asked before our stand-ins exist
+        prepare_import(device)  # before SGLang's modules import the kernels (this process imports them too)
         sglang = _import_sglang()
         require_version("sglang")  # installed version in the tested range, every API we call present
         self._bucket_class = _flattened_bucket_class()
@@ -446,6 +443,19 @@ class SGLangEngine(RolloutEngine):
 
     def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return hf_checkpoint_shapes(self._hf_dir)
+
+
+def prepare_import(device: Optional[str] = None) -> None:
+    """Put this process in the state SGLang's import needs on `device` (None: CUDA where available).
+
+    On CPU: SGLang's CPU switch, and the CPU layer where SGLang's kernel package is missing. Called
+    by the engine and by `versions.probe` (doctor) before SGLang is imported; idempotent.
+    """
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+        return
+    _select_cpu_engine()
+    if sglang_cpu_compat.needed("cpu"):
+        sglang_cpu_compat.install()
 
 
 def _select_cpu_engine() -> None:
