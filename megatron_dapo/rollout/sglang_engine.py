@@ -229,6 +229,8 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         self._on_cpu = device == "cpu"
         compat = self._on_cpu and sglang_cpu_compat.needed("cpu")  # asked before our stand-ins exist
+        if self._on_cpu:
+            _select_cpu_engine()
         prepare_import(device)  # before SGLang's modules import the kernels (this process imports them too)
         sglang = _import_sglang()
         require_version("sglang")  # installed version in the tested range, every API we call present
@@ -243,7 +245,7 @@ class SGLangEngine(RolloutEngine):
         self._cache_stale = False
         self._engine = None
         # Buckets reach SGLang as CUDA IPC handles on GPU: the tensors must sit on this process's GPU.
-        self._device = torch.device("cuda", torch.cuda.current_device()) if not self._on_cpu else torch.device("cpu")
+        self._device = torch.device("cpu" if self._on_cpu else "cuda")  # cuda: this process's current GPU
         if max_model_len is not None:
             engine_kwargs.setdefault("context_length", max_model_len)
         engine_kwargs.setdefault("log_level", "error")
@@ -341,8 +343,8 @@ class SGLangEngine(RolloutEngine):
         """One serialised flattened bucket per TP rank (SGLang hands rank r the r-th payload)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        if self._device.type == "cuda":
-            _patch_torch_reductions()  # CUDA only: on CPU tensors it breaks their pickling (0.5.23)
+        if not self._on_cpu:
+            _patch_torch_reductions()  # CUDA IPC only: on CPU tensors it breaks their pickling (0.5.23)
         flattened = self._bucket_class(named_tensors=bucket)
         payload = {"flattened_tensor": flattened.get_flattened_tensor(), "metadata": flattened.get_metadata()}
         return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self._tp_size)]
@@ -453,7 +455,8 @@ def prepare_import(device: Optional[str] = None) -> None:
     """
     if (device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
         return
-    _select_cpu_engine()
+    if "sglang" not in sys.modules:  # imported already: its CPU switch was read then (the engine checks it)
+        os.environ.setdefault(sglang_cpu_compat.CPU_ENGINE_ENV, "1")
     if sglang_cpu_compat.needed("cpu"):
         sglang_cpu_compat.install()
 
