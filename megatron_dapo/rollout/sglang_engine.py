@@ -537,6 +537,7 @@ def _patch_torch_reductions() -> None:
 _EXPORT_PATTERN = "rank-{rank}-part-{part}.safetensors"
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 _MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_TIED = {"model.embed_tokens.weight": "lm_head.weight", "lm_head.weight": "model.embed_tokens.weight"}
 
 
 def hf_checkpoint_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -596,13 +597,19 @@ def hf_tensors_from_sglang_shards(
 
     For each name of the HF checkpoint (`hf_shapes`): SGLang's tensor of the same name, or its slice
     of the fused qkv_proj / gate_up_proj; split over TP ranks on one dim (column / row parallel,
-    vocabulary: padded rows cut), or replicated (norms; KV heads when TP > KV heads). Names SGLang
-    holds under another layout (e.g. fused MoE experts) are left out.
+    vocabulary: padded rows cut), or replicated (norms; KV heads when TP > KV heads). A tied
+    embedding SGLang saves once, as lm_head.weight. Names SGLang holds under another layout (e.g.
+    fused MoE experts) are left out.
     """
     tp = len(ranks)
     for name, shape in hf_shapes.items():
-        if name in ranks[0]:
-            slices = [rank[name] for rank in ranks]
+        tied = _TIED.get(name)
+        if name not in ranks[0] and tied in ranks[0] and tied not in hf_shapes:
+            name_in_engine = tied  # a tied checkpoint: SGLang saves the shared tensor once, as the LM head
+        else:
+            name_in_engine = name
+        if name_in_engine in ranks[0]:
+            slices = [rank[name_in_engine] for rank in ranks]
         else:
             fused = _fused_parts(name)
             if fused is None or fused[0] not in ranks[0]:
