@@ -252,7 +252,9 @@ class SGLangEngine(RolloutEngine):
         if self._on_cpu:
             engine_kwargs = cpu_engine_kwargs(engine_kwargs)
         self._site_dir = sglang_cpu_compat.make_site_dir() if compat else None
-        environment = {}
+        # A torchrun worker's TORCHELASTIC_USE_AGENT_STORE would make SGLang's own process groups
+        # look for torchrun's store at SGLang's address (every rank a client: a hang). Unset for them.
+        environment: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
         if self._on_cpu and tensor_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
             environment["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, os.sched_getaffinity(0))
         try:
@@ -475,10 +477,14 @@ def _select_cpu_engine() -> None:
 
 
 @contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """`values` in os.environ while the body runs (SGLang's processes start with them), then as before."""
+def _environment(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """`values` in os.environ (None: unset) while the body runs (SGLang's processes start with them), then as before."""
     saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         yield
     finally:
