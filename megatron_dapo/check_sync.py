@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--hf-dir", required=True, help="HuggingFace model directory (config.json + safetensors)")
-    parser.add_argument("--engine", choices=("embedded", "vllm"), default="embedded", help="rollout engine (default: embedded)")
+    parser.add_argument("--engine", choices=("embedded", "vllm", "sglang"), default="embedded",
+                        help="rollout engine (default: embedded); sglang runs on rank 0 with TP = --tp")  # fmt: skip
     parser.add_argument("--tp", type=int, default=1, help="actor tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="actor pipeline-parallel size (default 1)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (default: none)")
@@ -191,6 +192,21 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
         from megatron_dapo.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(args.hf_dir, dtype=torch_dtype, device=device)
+    if args.engine == "sglang":
+        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+        # As the trainer builds it (rollout.tp = parallel.tp): SGLang's own TP ranks load their
+        # slices of the full tensors, and named_weights gathers them back.
+        return SGLangEngine(
+            args.hf_dir,
+            tensor_parallel_size=args.tp,
+            dtype=args.dtype,
+            mem_fraction_static=args.gpu_memory_utilization,
+            max_model_len=args.prompt_length + args.max_new_tokens + 8,
+            seed=args.seed,
+            device=device.type,
+            skip_tokenizer_init=True,  # token ids in and out; the check needs no tokenizer
+        )
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
     # vLLM logs every start-up detail at INFO; keep the check's report readable (override to see them).

@@ -122,6 +122,9 @@ class Requirement:
     probes: tuple[Probe, ...] = ()
     version_modules: tuple[str, ...] = ()
     """Modules tried for `__version__` before `module` (Megatron-Core keeps it in package_info)."""
+    prepare: str = ""
+    """"module:function" called before the real package is imported and probed, to put this process
+    in the state the engine would (SGLang on CPU: its CPU switch and `sglang_cpu_compat`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,37 +198,54 @@ SGLANG = Requirement(
     package="sglang",
     module="sglang",
     title="SGLang",
-    # Not run here (no CPU build in CI yet): the adapter is written against SGLang's 0.5-line source
-    # (rollout/sglang_engine.py names the commits); `sampling_seed` arrived in the 0.5 line.
-    tested=VersionRange("0.5", "0.6"),
-    tested_with="contract tests against the SGLang 0.5 source",
-    install="pip install 'sglang>=0.5,<0.6' (a release without Engine.begin_weight_update)",
+    # Tested: sglang 0.5.23, the real engine on CPU in the test suite (float32; the CPU layer in
+    # rollout/sglang_cpu_compat.py) and its GPU-only calls by contract against the 0.5.23 source.
+    # 0.5.23 requires a weight-update session around every push (begin/end_weight_update), which
+    # the adapter opens; SGLang reshapes these control calls between patch releases of the 0.5 line.
+    tested=VersionRange("0.5.23", "0.5.24"),
+    tested_with="sglang 0.5.23",
+    install="pip install 'sglang>=0.5.23,<0.5.24' (CPU: make install-sglang-cpu)",
+    prepare="megatron_dapo.rollout.sglang_engine:prepare_import",
     probes=(
+        # rollout/sglang_engine.py
+        Probe("sglang", "Engine"),
         Probe(
-            "sglang",
+            "sglang.srt.entrypoints.engine",
             "Engine",
             fields=(
                 "generate",
+                "begin_weight_update",
+                "end_weight_update",
                 "update_weights_from_tensor",
                 "flush_cache",
                 "release_memory_occupation",
                 "resume_memory_occupation",
+                "save_sharded_model",
                 "shutdown",
             ),
         ),
-        Probe("sglang", "Engine.resume_memory_occupation", parameters=("tags",)),
-        Probe("sglang.srt.utils", "MultiprocessingSerializer"),
-        Probe("sglang", "Engine.update_weights_from_tensor", parameters=("named_tensors", "load_format", "flush_cache")),
-        # SGLang PR 28001 (June 2026) made every update_weights_from_* assert an open weight-update
-        # session (Engine.begin_weight_update / end_weight_update); the adapter does not open one
-        # yet, so with such an SGLang the first weight push fails.
+        Probe("sglang.srt.entrypoints.engine", "Engine.begin_weight_update", parameters=("selector",)),
         Probe(
-            "sglang",
-            "Engine.begin_weight_update",
-            absent=True,
-            why="this SGLang requires a weight-update session (Engine.begin_weight_update/end_weight_update) "
-            "around every weight push, which the adapter does not open yet",
+            "sglang.srt.entrypoints.engine",
+            "Engine.update_weights_from_tensor",
+            parameters=("named_tensors", "load_format", "flush_cache"),
         ),
+        Probe("sglang.srt.entrypoints.engine", "Engine.resume_memory_occupation", parameters=("tags",)),
+        Probe("sglang.srt.entrypoints.engine", "Engine.release_memory_occupation", parameters=("tags",)),
+        # Engine.generate hands these per-row sampling fields to SamplingParams (an unknown one fails per request).
+        Probe(
+            "sglang.srt.sampling.sampling_params",
+            "SamplingParams",
+            parameters=("max_new_tokens", "stop_token_ids", "no_stop_trim", "skip_special_tokens", "sampling_seed"),
+        ),
+        Probe("sglang.srt.utils", "MultiprocessingSerializer"),
+        Probe("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
+        Probe(
+            "sglang.srt.weight_sync.tensor_bucket",
+            "FlattenedTensorBucket",
+            fields=("get_flattened_tensor", "get_metadata", "supports_multi_dtypes"),
+        ),
+        Probe("sglang.srt.constants", "GPU_MEMORY_TYPE_CUDA_GRAPH"),
     ),
 )
 
@@ -469,8 +489,11 @@ def _check(item: Probe, import_module: ImportModule) -> Optional[str]:
             return f"{item.name} cannot be loaded ({_first_line(error)})"
         if item.absent:
             return f"{item.name} exists: {item.why}" if item.why else f"{item.name} exists"
-    lacking = [name for name in item.fields if not _has_member(target, name)]
-    lacking += [f"parameter {name!r}" for name in item.parameters if _accepts(target, name) is False]
+    try:
+        lacking = [name for name in item.fields if not _has_member(target, name)]
+        lacking += [f"parameter {name!r}" for name in item.parameters if _accepts(target, name) is False]
+    except Exception as error:  # a lazy object (sglang.Engine) whose import fails
+        return f"{item.name} cannot be loaded ({_first_line(error)})"
     if lacking:
         return f"{item.name} lacks {', '.join(lacking)}"
     return None
@@ -492,6 +515,9 @@ def probe(
         # Megatron-Core warns about a missing apex / TE at import: the doctor reports those itself.
         warnings.simplefilter("ignore")
         try:
+            if req.prepare and import_module is importlib.import_module:
+                module_name, function = req.prepare.split(":")
+                getattr(importlib.import_module(module_name), function)()
             import_module(req.module)
         except Exception as error:
             return Report(req, import_error=_first_line(error), allow_untested=allow)

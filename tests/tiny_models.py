@@ -56,8 +56,27 @@ def tiny_config(arch: str):
     elif arch == "qwen3":
         cfg = Qwen3Config(**_COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
         cfg.architectures = ["Qwen3ForCausalLM"]
+    elif arch in MOE_ARCHS:
+        return tiny_moe_config(arch)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; have {ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; have {ARCHS + MOE_ARCHS}")
+    return cfg
+
+
+MOE_ARCHS = ("qwen3_moe",)
+"""Mixture-of-experts models, kept out of ARCHS (the dense tests iterate over ARCHS)."""
+
+
+def tiny_moe_config(arch: str = "qwen3_moe"):
+    """A tiny Qwen3-MoE: 4 experts, 2 routed per token, every layer sparse (2 layers, ~0.2 M parameters)."""
+    from transformers import Qwen3MoeConfig
+
+    if arch != "qwen3_moe":
+        raise ValueError(f"unknown tiny MoE architecture {arch!r}; have {MOE_ARCHS}")
+    common = {**_COMMON, "num_hidden_layers": 2}
+    cfg = Qwen3MoeConfig(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)  # fmt: skip
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
     return cfg
 
 

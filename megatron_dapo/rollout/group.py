@@ -111,6 +111,7 @@ def make_engine(
             max_model_len=max_model_len,
             seed=r.seed,
             weight_bucket_mb=r.weight_sync_bucket_mb,
+            device=device.type,  # CPU: SGLang's CPU engine (and sglang_cpu_compat where its kernels are missing)
             **({} if devices is None else {"base_gpu_id": devices.base_gpu_id, "gpu_id_step": devices.gpu_id_step}),
         )
     raise ValueError(f"unknown rollout.engine {r.engine!r}")

@@ -33,7 +33,7 @@ def _mismatch(stdout: str) -> tuple[float, float]:
 def test_help_explains_the_command():
     out = _run("--help")
     assert out.returncode == 0, out.stderr
-    for text in ("bit for bit", "--tolerance", "--engine {embedded,vllm}", "Exit code", "torch.distributed.run"):
+    for text in ("bit for bit", "--tolerance", "--engine {embedded,vllm,sglang}", "Exit code", "torch.distributed.run"):
         assert text in out.stdout, text
     top = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert "check-sync" in top.stdout

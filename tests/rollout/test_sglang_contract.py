@@ -1,13 +1,18 @@
-"""Contract tests of the SGLang adapter: SGLang cannot be installed here, so a fake `sglang` package
-is put in `sys.modules`. It records every call the adapter makes (method, exact arguments, order)
-and answers in SGLang's formats (one dict per input row with `output_ids` and `meta_info`, whose
-`finish_reason` is {"type": ...} and `output_token_logprobs` holds (log_prob, token_id, text)
-triples; `update_weights_from_tensor` answers (success, message)). The tests assert the call
-sequence and the argument values precisely, and how the answers are turned into our outputs.
+"""Contract tests of the SGLang adapter's GPU-only calls, which the CPU test machine cannot run.
+
+Everything else (generation, the weight-update session, both push formats, sleep / wake with
+SGLang's memory tags, the cache flush, reading weights back, TP = 2) runs against the real SGLang
+0.5.23 CPU engine in test_sglang_engine.py and the check-sync tests. What is left here is what
+only a GPU engine does: the engine's construction on CUDA (memory saver on, GPU placement), the
+CUDA IPC path of the flattened buckets (SGLang's reduction fix applied once, one serialised
+payload per TP rank), and the memory saver's sleep / wake calls (with the saver off on a GPU,
+none). A fake `sglang.Engine` records these calls; `test_the_fake_has_the_tested_release_signatures`
+checks every call it records against the installed SGLang 0.5.23 (its source is the contract).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -16,46 +21,53 @@ import torch
 
 from megatron_dapo.rollout import sglang_engine
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, sglang_sampling_params
-
-EOS = 2
-PROMPTS = [[11, 12, 13], [21], [31, 32]]
+from megatron_dapo.rollout.sglang_engine import SGLangEngine, collect_sglang_outputs, sglang_sampling_params
 
 
 class FakeSGLang:
     """The fake package: its Engine, serializer and tensor bucket share one call log."""
 
-    def __init__(self, multi_dtype_buckets: bool = True, with_bucket: bool = True):
+    def __init__(self):
         self.calls: list[tuple[str, dict]] = []
         self.serialized: dict[str, object] = {}
-        self.update_answer: object = (True, "Success")
-        self.engines: list[object] = []
         fake = self
 
         class Engine:
             def __init__(self, **kwargs):
                 fake.calls.append(("Engine", kwargs))
-                fake.engines.append(self)
 
             def generate(self, **kwargs):
                 fake.calls.append(("generate", kwargs))
-                rows = zip(kwargs["input_ids"], kwargs["sampling_params"])
-                return [fake.answer(row, ids, sp, kwargs["return_logprob"]) for row, (ids, sp) in enumerate(rows)]
+                return [
+                    {"output_ids": [3], "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [(-0.5, 3, None)]}}
+                    for _ in kwargs["input_ids"]
+                ]
+
+            def begin_weight_update(self, selector="all"):
+                fake.calls.append(("begin_weight_update", {"selector": selector}))
+                return True, "Success"
+
+            def end_weight_update(self):
+                fake.calls.append(("end_weight_update", {}))
+                return True, "Success"
 
             def update_weights_from_tensor(self, **kwargs):
                 fake.calls.append(("update_weights_from_tensor", kwargs))
-                return fake.update_answer
+                return True, "Success"
 
             def flush_cache(self):
                 fake.calls.append(("flush_cache", {}))
+                return types.SimpleNamespace(success=True)
 
-            # SGLang: release_memory_occupation(tags: Optional[List[str]] = None), same for resume;
-            # keyword-only here, so the log shows exactly what was passed.
+            # SGLang: release_memory_occupation(tags=None), same for resume; keyword-only here, so the
+            # log shows exactly what was passed.
             def release_memory_occupation(self, **kwargs):
                 fake.calls.append(("release_memory_occupation", kwargs))
 
             def resume_memory_occupation(self, **kwargs):
                 fake.calls.append(("resume_memory_occupation", kwargs))
+
+            def save_sharded_model(self, **kwargs): ...
 
             def shutdown(self):
                 fake.calls.append(("shutdown", {}))
@@ -69,27 +81,15 @@ class FakeSGLang:
                 return key if output_str else key.encode()
 
         class FlattenedTensorBucket:
-            """Byte-concatenation of the bucket, with (name, shape, dtype, start, end) metadata."""
-
-            supports_multi_dtypes = multi_dtype_buckets
+            supports_multi_dtypes = True
 
             def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
                 if named_tensors is not None:
-                    if not multi_dtype_buckets:
-                        assert len({t.dtype for _, t in named_tensors}) == 1, "this SGLang needs one dtype per bucket"
                     parts, self.metadata, start = [], [], 0
                     for name, tensor in named_tensors:
                         raw = tensor.reshape(-1).view(torch.uint8)
                         parts.append(raw)
-                        self.metadata.append(
-                            types.SimpleNamespace(
-                                name=name,
-                                shape=tensor.shape,
-                                dtype=tensor.dtype,
-                                start_idx=start,
-                                end_idx=start + raw.numel(),
-                            )
-                        )
+                        self.metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start, end_idx=start + raw.numel()))
                         start += raw.numel()
                     self.flattened_tensor = torch.cat(parts)
                 else:
@@ -102,53 +102,34 @@ class FakeSGLang:
                 return self.metadata
 
             def reconstruct_tensors(self):
-                return [
-                    (m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape))
-                    for m in self.metadata
-                ]
+                return [(m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in self.metadata]
 
         def monkey_patch_torch_reductions():
             fake.calls.append(("monkey_patch_torch_reductions", {}))
 
-        self.modules = {
-            "sglang": types.ModuleType("sglang"),
-            "sglang.srt": types.ModuleType("sglang.srt"),
-            "sglang.srt.utils": types.ModuleType("sglang.srt.utils"),
-            "sglang.srt.patch_torch": types.ModuleType("sglang.srt.patch_torch"),
-            "sglang.srt.weight_sync": types.ModuleType("sglang.srt.weight_sync"),
-            "sglang.srt.weight_sync.tensor_bucket": types.ModuleType("sglang.srt.weight_sync.tensor_bucket"),
-            "sglang.srt.constants": types.ModuleType("sglang.srt.constants"),
-            "sglang.srt.model_executor": None,  # not present: the adapter must not need it
-            "sglang.srt.model_executor.model_runner": None,
-        }
+        class SamplingParams:
+            def __init__(self, max_new_tokens=128, stop_token_ids=None, no_stop_trim=False, skip_special_tokens=True, sampling_seed=None): ...
+
+        names = (
+            "sglang",
+            "sglang.srt",
+            "sglang.srt.entrypoints.engine",
+            "sglang.srt.sampling.sampling_params",
+            "sglang.srt.utils",
+            "sglang.srt.utils.patch_torch",
+            "sglang.srt.weight_sync.tensor_bucket",
+            "sglang.srt.constants",
+        )
+        self.modules = {name: types.ModuleType(name) for name in names}
         self.modules["sglang"].Engine = Engine
-        self.modules["sglang"].__version__ = "0.5.4"  # in the tested range (versions.SGLANG), checked at engine creation
+        self.modules["sglang"].__version__ = "0.5.23"  # the tested release (versions.SGLANG), checked at engine creation
+        self.modules["sglang.srt.entrypoints.engine"].Engine = Engine
+        self.modules["sglang.srt.sampling.sampling_params"].SamplingParams = SamplingParams
         self.modules["sglang.srt.constants"].GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
         self.modules["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
-        self.modules["sglang.srt.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions
-        if with_bucket:
-            self.modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorBucket = FlattenedTensorBucket
-        else:
-            self.modules["sglang.srt.weight_sync.tensor_bucket"] = None
-        self.bucket_class = FlattenedTensorBucket
-
-    @staticmethod
-    def answer(row: int, ids: list[int], sampling: dict, with_logprobs: bool) -> dict:
-        """A deterministic response: 1..4 tokens; ends with EOS unless it hits max_new_tokens."""
-        limit = sampling["max_new_tokens"]
-        length = min(limit, 1 + row % 4)
-        tokens = [3 + (sum(ids) + 7 * row + k) % 40 for k in range(length)]
-        if length < limit:
-            tokens[-1] = EOS
-            finish = {"type": "stop", "matched": EOS}
-        else:
-            finish = {"type": "length", "length": length}
-        meta = {"id": f"req-{row}", "prompt_tokens": len(ids), "completion_tokens": length, "finish_reason": finish}
-        if with_logprobs:
-            meta["output_token_logprobs"] = [
-                (-0.25 * (k + 1) - 0.01 * row, token, None) for k, token in enumerate(tokens)
-            ]
-        return {"text": "", "output_ids": tokens, "meta_info": meta}
+        self.modules["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions
+        self.modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorBucket = FlattenedTensorBucket
+        self.engine_class, self.bucket_class = Engine, FlattenedTensorBucket
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
@@ -157,36 +138,28 @@ class FakeSGLang:
         self.calls.clear()
 
 
-def install(monkeypatch, package: FakeSGLang) -> FakeSGLang:
-    """Put the fake package in sys.modules for one test (monkeypatch restores the real state)."""
+@pytest.fixture
+def fake(monkeypatch) -> FakeSGLang:
+    package = FakeSGLang()
     for name, module in package.modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(sglang_engine, "_PATCHED", False)
     return package
 
 
-@pytest.fixture
-def fake(monkeypatch) -> FakeSGLang:
-    return install(monkeypatch, FakeSGLang())
-
-
-def make_engine(tmp_path, **kwargs) -> SGLangEngine:
-    return SGLangEngine(tmp_path / "model", **kwargs)
+def gpu_engine(tmp_path, **kwargs) -> SGLangEngine:
+    """The adapter on its CUDA path; no GPU here, so pushed buckets stay on the CPU (the calls are the GPU path's)."""
+    engine = SGLangEngine(tmp_path / "model", device="cuda", **kwargs)
+    engine._device = torch.device("cpu")
+    return engine
 
 
 # --------------------------------------------------------------------------------------------------
 
 
-def test_engine_is_built_with_exact_arguments(fake, tmp_path):
-    make_engine(
-        tmp_path,
-        tensor_parallel_size=2,
-        dtype="bfloat16",
-        mem_fraction_static=0.5,
-        max_model_len=4096,
-        seed=7,
-        attention_backend="fa3",
-    )
+def test_engine_is_built_on_cuda_with_exact_arguments(fake, tmp_path):
+    gpu_engine(tmp_path, tensor_parallel_size=2, dtype="bfloat16", mem_fraction_static=0.5, max_model_len=4096, seed=7,
+               base_gpu_id=2, gpu_id_step=1, attention_backend="fa3")  # fmt: skip
     assert fake.calls == [
         (
             "Engine",
@@ -196,7 +169,9 @@ def test_engine_is_built_with_exact_arguments(fake, tmp_path):
                 dtype="bfloat16",
                 mem_fraction_static=0.5,
                 random_seed=7,
-                enable_memory_saver=True,
+                enable_memory_saver=True,  # CUDA default (SGLang's memory saver is CUDA-only)
+                base_gpu_id=2,
+                gpu_id_step=1,
                 context_length=4096,
                 log_level="error",
                 attention_backend="fa3",
@@ -205,231 +180,134 @@ def test_engine_is_built_with_exact_arguments(fake, tmp_path):
     ]
 
 
-def test_generate_sends_one_row_per_sample_and_reads_outputs(fake, tmp_path):
-    engine = make_engine(tmp_path)
+def test_cuda_buckets_carry_one_payload_per_tp_rank_after_sglangs_ipc_fix(fake, tmp_path):
+    engine = gpu_engine(tmp_path, tensor_parallel_size=2, weight_bucket_mb=600 / 2**20)  # 600-byte buckets
     fake.clear()
-    params = SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=-1, max_new_tokens=3, stop_token_ids=(9,), seed=100)
-    out = engine.generate(PROMPTS, params)
-
-    assert fake.names() == ["generate"]
-    sent = fake.calls[0][1]
-    assert set(sent) == {"input_ids", "sampling_params", "return_logprob"}
-    assert sent["input_ids"] == [[11, 12, 13], [11, 12, 13], [21], [21], [31, 32], [31, 32]]
-    assert sent["return_logprob"] is True
-    assert sent["sampling_params"] == [
-        dict(
-            max_new_tokens=3,
-            temperature=0.8,
-            top_p=0.9,
-            top_k=-1,
-            stop_token_ids=[9],
-            stop=None,
-            no_stop_trim=True,
-            skip_special_tokens=False,
-            sampling_seed=100 + row,
-        )
-        for row in range(6)
-    ]
-
-    # Rows 0..5 answer 1, 2, 3, 3(=max), 1, 2 tokens: prompt-major, truncated exactly on "length".
-    assert out.prompt_index == [0, 0, 1, 1, 2, 2]
-    assert [len(r) for r in out.response_ids] == [1, 2, 3, 3, 1, 2]
-    assert out.finish_reasons == ["stop", "stop", "length", "length", "stop", "stop"]
-    assert out.truncated.tolist() == [False, False, True, True, False, False]
-    for row, (response, log_probs) in enumerate(zip(out.response_ids, out.log_probs)):
-        expected = FakeSGLang.answer(row, sent["input_ids"][row], sent["sampling_params"][row], True)
-        assert response == expected["output_ids"]
-        assert log_probs.dtype == torch.float32
-        assert log_probs.tolist() == pytest.approx([lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]])
-        if out.finish_reasons[row] == "stop":
-            assert response[-1] == EOS
-
-
-def test_generate_unseeded_without_logprobs(fake, tmp_path):
-    engine = make_engine(tmp_path)
-    fake.clear()
-    out = engine.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2, stop=("\n\n",), logprobs=False))
-    sent = fake.calls[0][1]
-    assert sent["return_logprob"] is False
-    assert sent["sampling_params"] == [
-        dict(
-            max_new_tokens=2,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=-1,
-            stop_token_ids=None,
-            stop=["\n\n"],
-            no_stop_trim=True,
-            skip_special_tokens=False,
-        )
-    ]
-    assert out.log_probs is None and len(out) == 1
-    assert engine.generate([], SamplingParams()).response_ids == []
-    assert fake.names() == ["generate"]  # an empty call does not reach SGLang
-
-
-def test_log_probs_of_other_tokens_are_rejected(fake, tmp_path, monkeypatch):
-    engine = make_engine(tmp_path)
-    original = FakeSGLang.answer
-
-    def shifted(row, ids, sampling, with_logprobs):
-        answer = original(row, ids, sampling, with_logprobs)
-        entries = answer["meta_info"]["output_token_logprobs"]
-        answer["meta_info"]["output_token_logprobs"] = [(lp, token + 1, text) for lp, token, text in entries]
-        return answer
-
-    monkeypatch.setattr(fake, "answer", shifted)
-    with pytest.raises(RuntimeError, match="do not belong"):
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=3))
-
-
-def _pushed_weights() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [
-        ("model.embed_tokens.weight", torch.randn(16, 8, generator=g)),  # 512 bytes
-        ("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 8, generator=g)),  # 256
-        ("model.layers.0.self_attn.q_proj.bias", torch.randn(8, generator=g)),  # 32
-        ("model.layers.0.input_layernorm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),  # 16
-        ("model.norm.weight", torch.randn(8, generator=g)),  # 32
+    weights = [
+        ("model.embed_tokens.weight", torch.randn(16, 8, generator=g)),  # 512 bytes: a bucket alone
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 8, generator=g)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),
     ]
-
-
-def _unpack(fake: FakeSGLang, call: dict, tp_size: int) -> list[tuple[str, torch.Tensor]]:
-    """What SGLang's TP rank r would load: deserialize payload r and rebuild the bucket's tensors."""
-    payloads = call["named_tensors"]
-    assert isinstance(payloads, list) and len(payloads) == tp_size
-    assert len(set(payloads)) == tp_size  # one serialisation per rank (each rank consumes its own)
-    rebuilt = []
-    for payload in payloads:
-        data = fake.serialized[payload]
-        assert set(data) == {"flattened_tensor", "metadata"}
-        bucket = fake.bucket_class(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
-        rebuilt.append(bucket.reconstruct_tensors())
-    assert all([n for n, _ in r] == [n for n, _ in rebuilt[0]] for r in rebuilt)
-    return rebuilt[0]
-
-
-def test_load_weights_as_flattened_buckets_then_flush_once(fake, tmp_path):
-    engine = make_engine(tmp_path, tensor_parallel_size=2, weight_bucket_mb=600 / 2**20)  # 600-byte buckets
-    fake.clear()
-    weights = _pushed_weights()
     engine.load_weights(iter(weights))
-
-    # Buckets of <= 600 bytes: [embed], [q_proj.weight, q_proj.bias, layernorm, norm] (256+32+16+32).
-    updates = [kwargs for name, kwargs in fake.calls if name == "update_weights_from_tensor"]
+    engine.commit_weights()
     assert fake.names() == [
-        "monkey_patch_torch_reductions",
+        "begin_weight_update",
+        "monkey_patch_torch_reductions",  # SGLang's fix for IPC handles across device numberings, once
         "serialize",
         "serialize",
         "update_weights_from_tensor",
         "serialize",
         "serialize",
         "update_weights_from_tensor",
+        "end_weight_update",
+        "flush_cache",
     ]
-    assert all(c == {"output_str": True} for n, c in fake.calls if n == "serialize")
-    assert all(u["load_format"] == "flattened_bucket" and u["flush_cache"] is False for u in updates)
-    assert set(updates[0]) == {"named_tensors", "load_format", "flush_cache"}
-    received = _unpack(fake, updates[0], 2) + _unpack(fake, updates[1], 2)
-    assert [n for n, _ in received] == [n for n, _ in weights]
-    for (_, got), (_, sent) in zip(received, weights):
-        assert got.dtype == sent.dtype and torch.equal(got, sent)
-
-    # The cache is flushed once, right before the next generation, not per bucket or per call.
-    fake.clear()
-    engine.load_weights(weights[:1])
-    fake.clear()
-    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
-    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
-    assert fake.names() == ["flush_cache", "generate", "generate"]
-
-
-def test_single_dtype_buckets_for_older_sglang(monkeypatch, tmp_path):
-    fake = install(monkeypatch, FakeSGLang(multi_dtype_buckets=False))
-    engine = make_engine(tmp_path, weight_bucket_mb=1.0)  # everything would fit in one bucket
-    engine.load_weights(_pushed_weights())
     updates = [kwargs for name, kwargs in fake.calls if name == "update_weights_from_tensor"]
-    dtypes = [[t.dtype for _, t in _unpack(fake, u, 1)] for u in updates]
-    assert dtypes == [[torch.float32] * 3, [torch.bfloat16], [torch.float32]]
+    assert all(set(u) == {"named_tensors", "load_format", "flush_cache"} for u in updates)
+    assert all(u["load_format"] == "flattened_bucket" and u["flush_cache"] is False for u in updates)
+    received = []
+    for update in updates:
+        payloads = update["named_tensors"]
+        assert len(payloads) == 2 and len(set(payloads)) == 2  # rank r deserialises payload r only
+        data = fake.serialized[payloads[0]]
+        received += fake.bucket_class(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+    assert [n for n, _ in received] == [n for n, _ in weights]
+    assert all(got.dtype == sent.dtype and torch.equal(got, sent) for (_, got), (_, sent) in zip(received, weights))
 
 
-def test_plain_tensor_format_and_fallback_without_buckets(monkeypatch, tmp_path):
-    for package, kwargs in ((FakeSGLang(), {"weight_load_format": "tensors"}), (FakeSGLang(with_bucket=False), {})):
-        fake = install(monkeypatch, package)
-        engine = make_engine(tmp_path, tensor_parallel_size=2, **kwargs)
-        fake.clear()
-        weights = _pushed_weights()
-        engine.load_weights(weights)
-        assert fake.names() == ["update_weights_from_tensor"]  # SGLang serialises per rank itself
-        call = fake.calls[0][1]
-        assert call["load_format"] is None and call["flush_cache"] is False
-        assert [n for n, _ in call["named_tensors"]] == [n for n, _ in weights]
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(call["named_tensors"], weights))
-
-
-def test_failed_weight_update_raises(fake, tmp_path):
-    engine = make_engine(tmp_path)
-    fake.update_answer = (False, "Failed to update parameter online: no parameter named foo")
-    with pytest.raises(RuntimeError, match="no parameter named foo"):
-        engine.load_weights([("foo", torch.zeros(2))])
-    fake.update_answer = None  # older SGLang answered nothing: not an error
-    engine.load_weights([("model.norm.weight", torch.zeros(2))])
-
-
-def test_sleep_wake_and_shutdown(fake, tmp_path):
-    engine = make_engine(tmp_path)
-    fake.clear()
-    engine.sleep()
-    engine.sleep()  # already asleep: nothing more
-    assert engine.is_sleeping
-    with pytest.raises(RuntimeError, match="asleep"):
-        engine.generate(PROMPTS, SamplingParams())
-    with pytest.raises(RuntimeError, match="asleep"):
-        engine.load_weights(_pushed_weights())
-    engine.wake_up()
-    engine.wake_up()
-    assert fake.names() == ["release_memory_occupation", "resume_memory_occupation"]
-    engine.shutdown()
-    engine.shutdown()
-    assert fake.names()[-1] == "shutdown" and fake.names().count("shutdown") == 1
-    with pytest.raises(RuntimeError, match="shut down"):
-        engine.generate(PROMPTS, SamplingParams())
-
-    # The trainer's order with level 2: sleep -> wake weights -> full push -> wake KV cache (and graphs).
-    engine = make_engine(tmp_path)
+def test_memory_saver_calls_and_tags(fake, tmp_path):
+    """The trainer's order with the memory saver: sleep -> wake weights -> push -> wake KV cache (+ CUDA graphs)."""
+    engine = gpu_engine(tmp_path)
     fake.clear()
     engine.sleep(level=2)
+    engine.sleep(level=2)  # asleep already: nothing more
     engine.wake_up(["weights"])
-    with pytest.raises(RuntimeError, match=r"asleep \(\['kv_cache'\]\)"):
-        engine.generate(PROMPTS, SamplingParams())
-    engine.load_weights(_pushed_weights())  # weights awake: allowed
     engine.wake_up(["kv_cache"])
-    engine.wake_up(["kv_cache"])  # already awake: nothing more
-    engine.generate(PROMPTS, SamplingParams())
-    memory_calls = [call for call in fake.calls if call[0].endswith("memory_occupation")]
-    assert memory_calls == [
-        ("release_memory_occupation", {}),
+    engine.sleep(level=1)
+    engine.wake_up()
+    memory = [call for call in fake.calls if call[0].endswith("memory_occupation")]
+    assert memory == [
+        ("release_memory_occupation", {}),  # every tag: weights, KV cache, CUDA graphs
         ("resume_memory_occupation", {"tags": ["weights"]}),
         ("resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+        ("release_memory_occupation", {}),
+        ("resume_memory_occupation", {}),
     ]
-    with pytest.raises(ValueError, match="1 or 2"):
-        engine.sleep(level=3)
-    with pytest.raises(ValueError, match="unknown memory tags"):
-        engine.wake_up(["cuda_graph"])
-
-    without_saver = make_engine(tmp_path, enable_memory_saver=False)
+    without_saver = gpu_engine(tmp_path, enable_memory_saver=False)
     fake.clear()
     without_saver.sleep()
+    assert without_saver.is_sleeping  # tracked: a wrong call order still fails on GPU
+    with pytest.raises(RuntimeError, match="asleep"):
+        without_saver.generate([[1]], SamplingParams())
     without_saver.wake_up()
-    assert fake.calls == [] and not without_saver.is_sleeping
+    assert fake.calls == []  # SGLang frees nothing without the saver: no calls on a GPU
 
 
-def test_sampling_params_helper_maps_greedy_and_top_k():
+def test_the_fake_has_the_tested_release_signatures(require_sglang):
+    """Every call recorded above exists in the installed SGLang (0.5.23) with these keyword arguments."""
+    from megatron_dapo.rollout.sglang_engine import prepare_import
+
+    prepare_import()
+    import sglang
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_CUDA_GRAPH
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: F401
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    assert sglang.__version__ == "0.5.23"
+
+    def accepts(function, *names):
+        parameters = inspect.signature(function).parameters
+        return all(name in parameters for name in names)
+
+    server_args = inspect.signature(ServerArgs).parameters
+    for name in ("model_path", "tp_size", "dtype", "mem_fraction_static", "random_seed", "enable_memory_saver",
+                 "base_gpu_id", "gpu_id_step", "context_length", "log_level", "attention_backend",
+                 "enable_weights_cpu_backup", "device", "disable_cuda_graph", "skip_server_warmup", "max_total_tokens"):  # fmt: skip
+        assert name in server_args, name
+    assert accepts(Engine.generate, "input_ids", "sampling_params", "return_logprob")
+    assert accepts(Engine.begin_weight_update, "selector") and accepts(Engine.end_weight_update)
+    assert accepts(Engine.update_weights_from_tensor, "named_tensors", "load_format", "flush_cache")
+    assert accepts(Engine.release_memory_occupation, "tags") and accepts(Engine.resume_memory_occupation, "tags")
+    assert accepts(MultiprocessingSerializer.serialize, "obj", "output_str")
+    assert accepts(FlattenedTensorBucket.__init__, "named_tensors", "flattened_tensor", "metadata")
+    assert FlattenedTensorBucket.supports_multi_dtypes is True
+    assert set(GPU_MEMORY_ALL_TYPES) == {"weights", "kv_cache", GPU_MEMORY_TYPE_CUDA_GRAPH} and GPU_MEMORY_TYPE_CUDA_GRAPH == "cuda_graph"
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------
+
+
+def test_sampling_params_helper():
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=3, stop_token_ids=(9,), stop=("\n\n",))
+    assert sglang_sampling_params(params, seed=100) == dict(
+        max_new_tokens=3, temperature=0.8, top_p=0.9, top_k=-1, stop_token_ids=[9], stop=["\n\n"],
+        no_stop_trim=True, skip_special_tokens=False, sampling_seed=100,
+    )  # fmt: skip
     greedy = sglang_sampling_params(SamplingParams(temperature=0, top_k=5, max_new_tokens=4), seed=None)
-    assert (greedy["temperature"], greedy["top_k"], greedy["max_new_tokens"]) == (0, 5, 4)
+    assert (greedy["temperature"], greedy["top_k"], greedy["stop_token_ids"], greedy["stop"]) == (0, 5, None, None)
     assert "sampling_seed" not in greedy
+
+
+def test_outputs_are_prompt_major_and_log_probs_must_belong_to_the_tokens():
+    def row(tokens, finish, shift=0):
+        entries = [(-0.1 * k, token + shift, None) for k, token in enumerate(tokens)]
+        return {"output_ids": tokens, "meta_info": {"finish_reason": {"type": finish}, "output_token_logprobs": entries}}
+
+    params = SamplingParams(n=2, max_new_tokens=2)
+    out = collect_sglang_outputs([row([1], "stop"), row([2, 3], "length"), row([4, 5], "length"), row([6], "stop")], 2, params)
+    assert out.prompt_index == [0, 0, 1, 1] and out.truncated.tolist() == [False, True, True, False]
+    assert out.log_probs[1].tolist() == pytest.approx([0.0, -0.1])
+    with pytest.raises(RuntimeError, match="do not belong"):
+        collect_sglang_outputs([row([1], "stop", shift=1), row([2], "stop")], 1, params)
+    with pytest.raises(RuntimeError, match="3 outputs for 2 prompts"):
+        collect_sglang_outputs([row([1], "stop")] * 3, 2, params)
 
 
 def test_missing_sglang_gives_install_hint(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "sglang", None)
-    with pytest.raises(ImportError, match="pip install sglang"):
-        make_engine(tmp_path)
+    with pytest.raises(ImportError, match="make install-sglang-cpu"):
+        SGLangEngine(tmp_path / "model", device="cuda")
