@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from test_check_sync import _mismatch, _run
+from tests.rollout.test_check_sync import _mismatch, _run
 
 pytestmark = pytest.mark.usefixtures("require_sglang")
 

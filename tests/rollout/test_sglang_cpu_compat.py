@@ -91,7 +91,8 @@ def test_install_never_shadows_a_real_package(monkeypatch):
 
 
 def test_install_serves_torchvision_placeholders_only_when_it_is_absent(monkeypatch):
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    # Without the placeholder an earlier engine start of this session installed (restored afterwards).
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, compat._PlaceholderFinder)])
     for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.") or n == "sgl_kernel"]:
         monkeypatch.delitem(sys.modules, name)
     if compat._importable("torchvision"):

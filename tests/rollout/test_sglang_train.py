@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.conftest import CONFIG, FAST, read_metrics, run_cli, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, read_metrics, run_cli, workspace_overrides
 
 pytestmark = pytest.mark.usefixtures("require_sglang")
 
