@@ -10,6 +10,7 @@ vLLM engine whose spawned processes must carry the environment the trainer chose
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +28,7 @@ from megatron_dapo.rollout.vllm_launch import (
     spmd_environment,
     unique_shared_memory_names,
 )
-from rollout.test_sglang_contract import FakeSGLang, install
+from tests.rollout.test_sglang_contract import FakeSGLang
 from tiny_models import save_tiny_model
 
 
@@ -176,20 +177,31 @@ SGLANG_0_5_23_FIELDS = {
 }  # fmt: skip
 
 
+def _fake_sglang(monkeypatch) -> FakeSGLang:
+    from megatron_dapo.rollout import sglang_engine
+
+    fake = FakeSGLang()
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sglang_engine, "_PATCHED", False)
+    return fake
+
+
 def test_sglang_leaders_get_their_own_gpus(monkeypatch, tmp_path):
-    fake = install(monkeypatch, FakeSGLang())
+    """GPU-only (the engine's GPU ids): SGLang's Engine is the 0.5.23-shaped fake of the contract tests."""
+    fake = _fake_sglang(monkeypatch)
     devices = EngineDevices(owner=4, ranks=(4, 5), node="node0", gpus=("4", "5"), indices=(4, 5))
-    group.make_engine(_config("sglang", str(tmp_path)), tmp_path, torch.device("cpu"), devices=devices)
+    group.make_engine(_config("sglang", str(tmp_path)), tmp_path, torch.device("cuda"), devices=devices)
     ((name, kwargs),) = fake.calls
     assert name == "Engine" and (kwargs["base_gpu_id"], kwargs["gpu_id_step"]) == (4, 1)
     assert set(kwargs) <= set(SGLANG_0_5_23_FIELDS), set(kwargs) - set(SGLANG_0_5_23_FIELDS)
     fake.clear()
-    group.make_engine(_config("sglang", str(tmp_path)), tmp_path, torch.device("cpu"))  # no GPUs known: SGLang's default
+    group.make_engine(_config("sglang", str(tmp_path)), tmp_path, torch.device("cuda"))  # no GPUs known: SGLang's default
     assert "base_gpu_id" not in fake.calls[0][1]
     with pytest.raises(ValueError, match="gpu_id_step >= 1"):
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
-        SGLangEngine(tmp_path, base_gpu_id=0, gpu_id_step=0)
+        SGLangEngine(tmp_path, base_gpu_id=0, gpu_id_step=0, device="cuda")
 
 
 def test_sglang_fields_match_the_installed_sglang():

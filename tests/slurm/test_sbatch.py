@@ -288,7 +288,8 @@ def test_doctor_on_every_task_with_a_gloo_all_reduce(slurm_cluster, tmp_path):
         echo "after the doctor"
         """,
     )
-    job = slurm_cluster.submit(script, cwd=REPO_ROOT, timeout_s=300).assert_completed()
+    # As on a cluster, no cache root comes from outside (the test session sets one for its engines).
+    job = slurm_cluster.submit(script, cwd=REPO_ROOT, env={"VLLM_CACHE_ROOT": ""}, timeout_s=300).assert_completed()
     output = job.output()
     assert output.count("megatron-dapo doctor: 2 task(s) on 1 node(s)") == 1, job.describe()  # rank 0 prints
     assert "launcher slurm" in output and "config configs/tiny_cpu.yaml" in output
