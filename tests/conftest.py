@@ -35,6 +35,35 @@ if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
 os.environ.update(_VLLM_SESSION_ENV)
 
 
+# The fast tier (`make test-fast`: `pytest -m "not launch"`) leaves out every test that launches
+# something heavy: a real vLLM or SGLang engine (its fixtures), a SLURM job, or other processes
+# (torchrun workers, the CLI, scripts: every test of a module that starts them). Decided from what a
+# test uses, so a new launching test joins the full tier without anyone marking it.
+_LAUNCH_FIXTURES = {"require_vllm", "require_sglang", "slurm_cluster"}
+_LAUNCH_CALLS = ("run_torchrun_script(", "run_torchrun_function(", "run_cli(", "subprocess.run(", "subprocess.Popen(", "_run(")
+_module_launches: dict[str, bool] = {}
+
+
+def _launches(item) -> bool:
+    if _LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    path = str(item.path)
+    if path not in _module_launches:
+        source = Path(path).read_text(encoding="utf-8")
+        _module_launches[path] = any(call in source for call in _LAUNCH_CALLS)
+    return _module_launches[path]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launch: starts a real engine, a SLURM job or other processes (not in `make test-fast`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _launches(item):
+            item.add_marker(pytest.mark.launch)
+
+
 def pytest_unconfigure(config):
     if "VLLM_CACHE_ROOT" in _VLLM_SESSION_ENV:
         shutil.rmtree(_VLLM_SESSION_ENV["VLLM_CACHE_ROOT"], ignore_errors=True)
