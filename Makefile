@@ -4,7 +4,7 @@ demo:
 	bash scripts/bootstrap.sh demo
 test:
 	bash scripts/bootstrap.sh test
-# The tests that launch no engine, SLURM job or other process (marker `launch`): ~2 minutes.
+# The tests that launch no engine, SLURM job or other process (marker `launch`): ~1 minute here.
 test-fast:
 	bash scripts/bootstrap.sh test-fast
 install:
