@@ -10,7 +10,6 @@ vLLM engine whose spawned processes must carry the environment the trainer chose
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +27,7 @@ from megatron_dapo.rollout.vllm_launch import (
     spmd_environment,
     unique_shared_memory_names,
 )
-from tests.rollout.test_sglang_contract import FakeSGLang
+from tests.rollout.test_sglang_contract import fake  # noqa: F401 (fixture: the contract tests' SGLang fake)
 from tiny_models import save_tiny_model
 
 
@@ -177,19 +176,8 @@ SGLANG_0_5_23_FIELDS = {
 }  # fmt: skip
 
 
-def _fake_sglang(monkeypatch) -> FakeSGLang:
-    from megatron_dapo.rollout import sglang_engine
-
-    fake = FakeSGLang()
-    for name, module in fake.modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(sglang_engine, "_PATCHED", False)
-    return fake
-
-
-def test_sglang_leaders_get_their_own_gpus(monkeypatch, tmp_path):
+def test_sglang_leaders_get_their_own_gpus(fake, tmp_path):
     """GPU-only (the engine's GPU ids): SGLang's Engine is the 0.5.23-shaped fake of the contract tests."""
-    fake = _fake_sglang(monkeypatch)
     devices = EngineDevices(owner=4, ranks=(4, 5), node="node0", gpus=("4", "5"), indices=(4, 5))
     group.make_engine(_config("sglang", str(tmp_path)), tmp_path, torch.device("cuda"), devices=devices)
     ((name, kwargs),) = fake.calls
