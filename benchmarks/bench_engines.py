@@ -34,10 +34,10 @@ ENGINES = ("vllm", "sglang")
 
 def start_engine(kind: str, model: Path, max_model_len: int):
     if kind == "vllm":
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+        from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(model, dtype="float32", max_model_len=max_model_len, enforce_eager=True, kv_cache_memory_bytes=256 << 20)
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.rollout.engines.sglang.engine import SGLangEngine
 
     return SGLangEngine(model, dtype="float32", max_model_len=max_model_len, skip_tokenizer_init=True)
 

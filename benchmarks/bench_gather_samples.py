@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dapo.experience import Samples, gather_samples, pack_samples  # noqa: E402
+from megatron_dapo.trainer.samples import Samples, gather_samples, pack_samples  # noqa: E402
 
 
 def synthetic_samples(replica: int, prompts: int, n: int, response_tokens: int, seed: int) -> Samples:

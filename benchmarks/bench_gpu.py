@@ -241,8 +241,8 @@ def measure_update(args, model_dir: Path, layout) -> dict:
 
 def measure_sync(args, model_dir: Path, hf_cfg, models) -> dict:
     from megatron_dapo.model.load import export_megatron_to_hf
-    from megatron_dapo.rollout.embedded import EmbeddedEngine
-    from megatron_dapo.rollout.weight_sync import sync_weights
+    from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
+    from megatron_dapo.rollout.sync.dispatch import sync_weights
 
     engine = EmbeddedEngine(model_dir, dtype=torch.bfloat16, device=DEVICE)
     params = dict(engine.model.named_parameters())

@@ -65,7 +65,7 @@ def save_model(path: Path, args) -> None:
 
 def before_engine_load(engine, weights) -> None:
     """`VLLMEngine.load_weights` (spmd) before: every bucket moved to host memory, contiguous."""
-    from megatron_dapo.rollout.bucketing import iter_buckets
+    from megatron_dapo.rollout.sync.bucketing import iter_buckets
 
     engine._weights_awake_llm()
     for bucket in iter_buckets(weights, engine._bucket_bytes, device="cpu", contiguous=True):
@@ -142,7 +142,7 @@ def _all_gather_rows(shard, group):
 def recipe_32b() -> dict:
     """Bytes through host memory per rank per sync for configs/dapo_qwen2.5_32b.yaml, before and after."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.memory_plan import hf_parameter_count, known_model
+    from megatron_dapo.plan.memory import hf_parameter_count, known_model
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "dapo_qwen2.5_32b.yaml"))
     model = known_model("qwen2.5-32b")
@@ -192,9 +192,9 @@ def main() -> None:
     from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
     from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.rollout.placement import SpmdSlot
-    from megatron_dapo.rollout.storage_ledger import StorageLedger, weight_path_ledger
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine
-    from megatron_dapo.rollout.weight_sync import sync_weights
+    from megatron_dapo.rollout.sync.storage_ledger import StorageLedger, weight_path_ledger
+    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
+    from megatron_dapo.rollout.sync.dispatch import sync_weights
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     ctx = init_distributed(ParallelLayout(tp=2, pp=1), timeout_s=1800, seed=0)

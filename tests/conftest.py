@@ -25,7 +25,7 @@ for _path in (str(TESTS_DIR), str(REPO_ROOT)):
 # vLLM engines of the whole session (in this process, in torchrun workers, in trainer subprocesses)
 # share one cache root, as the sbatch scripts give every engine of a node one: vLLM then inspects
 # each model class once per session instead of in a ~15 s subprocess per engine start (without it
-# every engine has a private root; see rollout/vllm_engine.py). A CPU engine built without a KV
+# every engine has a private root; see rollout/engines/vllm/engine.py). A CPU engine built without a KV
 # cache size gets 1 GiB instead of 60% of the machine's RAM (~18 s to allocate here).
 _VLLM_SESSION_ENV = {}
 if "VLLM_CACHE_ROOT" not in os.environ:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo import memory_plan as mp
+from megatron_dapo.plan import memory as mp
 from megatron_dapo.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

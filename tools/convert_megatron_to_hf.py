@@ -3,7 +3,7 @@
 
     python tools/convert_megatron_to_hf.py --megatron-dir runs/dapo/checkpoints --output exported/
 
-Same as `megatron-dapo convert megatron-to-hf`; see megatron_dapo/convert.py and --help.
+Same as `megatron-dapo convert megatron-to-hf`; see megatron_dapo/checkpoint/conversion.py and --help.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout without installing
 
-from megatron_dapo.convert import MEGATRON_TO_HF_DESCRIPTION, add_megatron_to_hf_arguments, run_megatron_to_hf  # noqa: E402
+from megatron_dapo.checkpoint.conversion import MEGATRON_TO_HF_DESCRIPTION, add_megatron_to_hf_arguments, run_megatron_to_hf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

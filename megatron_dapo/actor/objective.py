@@ -26,7 +26,7 @@ import torch
 
 from megatron_dapo.actor.batch import MicroBatch
 from megatron_dapo.algorithm.loss import PolicyLossStats, aggregate, kl_penalty, policy_loss
-from megatron_dapo.rollout.mismatch import truncated_is_weights
+from megatron_dapo.algorithm.mismatch import truncated_is_weights
 
 __all__ = ["GlobalCounts", "ObjectiveSettings", "STAT_NAMES", "micro_batch_objective", "summarise"]
 

@@ -78,11 +78,11 @@ def make_engine(
     r = cfg.rollout
     max_model_len = r.max_prompt_length + r.max_response_length + 8
     if r.engine == "embedded":
-        from megatron_dapo.rollout.embedded import EmbeddedEngine
+        from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
 
         return EmbeddedEngine(hf_dir, dtype=getattr(torch, cfg.model.dtype), device=device)
     if r.engine == "vllm":
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+        from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         kwargs: dict[str, Any] = {}
@@ -101,7 +101,7 @@ def make_engine(
             **kwargs,
         )
     if r.engine == "sglang":
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+        from megatron_dapo.rollout.engines.sglang.engine import SGLangEngine
 
         return SGLangEngine(
             hf_dir,
@@ -314,7 +314,7 @@ class RolloutGroup:
 
     def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float):
         """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""
-        from megatron_dapo.rollout.weight_sync import sync_weights
+        from megatron_dapo.rollout.sync.dispatch import sync_weights
 
         if self.sync_mode is None:
             self.sync_mode = self._decide_sync_mode()
@@ -338,7 +338,7 @@ class RolloutGroup:
         """The first pipeline stage's `SharedMemoryHandover` (made once, collectively); None on later stages."""
         from megatron.core import parallel_state as ps
 
-        from megatron_dapo.rollout.shard_handover import SharedMemoryHandover
+        from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
 
         if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0):
             return None
@@ -348,7 +348,7 @@ class RolloutGroup:
 
     def _in_process_target(self):
         """This rank's `spmd_sync.InProcessShardTarget` (made once; checks the TP groups coincide)."""
-        from megatron_dapo.rollout.spmd_sync import InProcessShardTarget
+        from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
 
         if self._shard_target is None:
             self._shard_target = InProcessShardTarget.create(self.engine, _actor_tp_group())

@@ -17,7 +17,7 @@ from torchrun_utils import reporting
 
 def convert_all(hf_dirs: dict, out_root: str, shard_sizes: dict, tampered: dict) -> dict:
     """HF -> Megatron (--tp 2 --pp 2) -> HF for every architecture; then a tampered-weights logits check."""
-    from megatron_dapo.convert import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf, verify_logits_against_hf
+    from megatron_dapo.checkpoint.conversion import ConversionError, convert_hf_to_megatron, convert_megatron_to_hf, verify_logits_against_hf
 
     out: dict = {"archs": {}}
     with reporting(out, teardown=False):

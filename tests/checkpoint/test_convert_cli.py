@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[2]
 HF_TO_MEGATRON = [sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py")]
 MEGATRON_TO_HF = [sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py")]
-CLI = [sys.executable, "-m", "megatron_dapo.cli", "convert"]
+CLI = [sys.executable, "-m", "megatron_dapo.cli.main", "convert"]
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -37,7 +37,7 @@ def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_parse_size():
-    from megatron_dapo.convert import ConversionError, parse_size
+    from megatron_dapo.checkpoint.conversion import ConversionError, parse_size
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("1.5 kb") == 1500 and parse_size(1234) == 1234
@@ -155,7 +155,7 @@ import errno, os, shutil, sys
 def copy2(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 shutil.copy2 = copy2
-from megatron_dapo.cli import main
+from megatron_dapo.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

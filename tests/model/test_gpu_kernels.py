@@ -159,7 +159,7 @@ _START = textwrap.dedent(
     """
     import sys
     if sys.argv[1] == "cli":
-        from megatron_dapo.cli import _quiet_known_warnings
+        from megatron_dapo.cli.main import _quiet_known_warnings
         _quiet_known_warnings()
     import torch
     from megatron_dapo.actor.policy import build_actor, build_reference
@@ -195,7 +195,7 @@ def _start(mode: str) -> str:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU start-up")
 def test_cpu_start_prints_the_choices_once_and_no_te_apex_warnings():
-    from megatron_dapo.cli import MISSING_KERNEL_WARNINGS
+    from megatron_dapo.cli.main import MISSING_KERNEL_WARNINGS
 
     quiet = _start("cli")
     assert quiet.count("[megatron-dapo] layers: Megatron local spec") == 1  # actor and reference: one line

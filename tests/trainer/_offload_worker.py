@@ -94,8 +94,8 @@ def run(config: str, overrides: list, offload_overrides: list, output_dir: str) 
     from torchrun_utils import reporting
 
     from megatron_dapo.config import load_config
-    from megatron_dapo.runtime import load_models, start
-    from megatron_dapo.trainer import DAPOTrainer
+    from megatron_dapo.trainer.startup import load_models, start
+    from megatron_dapo.trainer.loop import DAPOTrainer
 
     with reporting({}) as result:
         events: list = []

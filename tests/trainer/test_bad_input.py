@@ -34,7 +34,7 @@ def _assert_one_clean_error(proc: subprocess.CompletedProcess, code: int, *needl
 
 def _config_command(capsys, *args: str) -> subprocess.CompletedProcess:
     """`megatron-dapo config ...` in this process (it loads no model): its exit code and output."""
-    from megatron_dapo.cli import main
+    from megatron_dapo.cli.main import main
 
     capsys.readouterr()
     code = main(["config", *args])
@@ -85,7 +85,7 @@ def test_empty_tokenizer_is_named_not_blamed_on_the_prompts(model_copy):
     from transformers import AutoTokenizer
 
     from megatron_dapo.config import ConfigError
-    from megatron_dapo.runtime import check_tokenizer
+    from megatron_dapo.trainer.startup import check_tokenizer
 
     check_tokenizer(AutoTokenizer.from_pretrained(model_copy), str(model_copy))  # intact: passes
     for path in model_copy.glob("tokenizer*.json"):
@@ -149,7 +149,7 @@ def fsync(fd):  # the disk fills up: the metrics file's data cannot be written b
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real_fsync(fd)
 os.fsync = fsync
-from megatron_dapo.cli import main
+from megatron_dapo.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -190,7 +190,7 @@ def test_disk_full_is_recognised_through_the_chain_of_what_it_broke(tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_dapo.runtime import DiskFullError, disk_full_error, stop_on_full_disk
+    from megatron_dapo.trainer.startup import DiskFullError, disk_full_error, stop_on_full_disk
 
     def chained(first: BaseException, then: BaseException) -> BaseException:
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.runtime import OutputDirectoryError, check_output_dir, clear_previous_run
+from megatron_dapo.trainer.startup import OutputDirectoryError, check_output_dir, clear_previous_run
 from tests.trainer.conftest import CONFIG, FAST, deterministic, read_metrics, run_cli, workspace_overrides
 
 

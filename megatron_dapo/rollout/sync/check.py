@@ -1,0 +1,456 @@
+"""`megatron-dapo check-sync`: does the actor -> rollout engine weight sync work here, exactly?
+
+    megatron-dapo check-sync --hf-dir Qwen2.5-7B --engine vllm --tp 4 --pp 2 --dtype bfloat16 --tolerance 0.5
+    python tools/check_sync.py --hf-dir tiny --engine embedded --tp 2
+
+The first thing to run after changing the engine, vLLM / torch / Megatron versions or the parallel
+layout. It loads the HF checkpoint into the Megatron actor (TP x PP) and into a rollout engine on
+rank 0, changes every actor weight (`--update perturb`, the default: all weights scaled by
+1 + 2^-6, so a tensor the sync misses keeps its old value and shows up) or runs one real optimizer
+step (`--update step`), syncs the weights with `rollout.weight_sync.sync_weights` (the trainer's
+code path, `RolloutGroup.sync_weights`, in the mode `--sync-mode` picks; `--placement spmd`: every
+rank holds its shard of a TP = --tp vLLM engine, the trainer's default for vLLM), then checks:
+
+1. per tensor: the engine's weight equals the actor's HF export bit for bit (in the engine dtype);
+2. the engine's log-probs of responses it samples against the actor's forward-only log-probs of
+   the same tokens: mean and max |diff| and the k3 KL estimate (the training / inference mismatch).
+
+Exit code 0 when every tensor is equal and max |diff| <= --tolerance, 1 otherwise (2: it crashed).
+
+Processes: run as a plain command it starts the TP x PP processes itself (re-executing under
+`torch.distributed.run`, gloo on CPU / NCCL on GPUs); under torchrun or srun it uses the ranks it
+is given (the world size must be a multiple of TP x PP; extra ranks are data-parallel replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+RESULT_FILE_ENV = "MEGATRON_DAPO_CHECK_SYNC_RESULT"
+PERTURB_FACTOR = 1.0 + 2.0**-6  # changes every nonzero float32 / bfloat16 / float16 value
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+DESCRIPTION = """\
+Check that the actor -> rollout engine weight sync is exact.
+
+Loads the HF model into the Megatron actor (--tp x --pp processes) and into a rollout engine on
+rank 0, changes every actor weight (--update perturb: all scaled by 1 + 2^-6; --update step: one
+optimizer step), syncs with the trainer's code path (--sync-mode: gather, or shared_memory where
+each TP rank writes only its own slices; auto picks like the trainer), and reports
+  * per tensor: engine weight == actor's HF export, bit for bit (in the engine dtype);
+  * the log-prob mismatch of responses the engine samples: mean / max |engine - actor| and the
+    k3 KL estimate, over all response tokens.
+Exit code 0 if every tensor is equal and max |diff| <= --tolerance, 1 if not, 2 on an error.
+
+Run it as a plain command: it starts tp x pp processes itself (torch.distributed.run; gloo on
+CPU). Under torchrun / srun it uses the ranks it is given (world = multiple of tp x pp).
+With --dtype bfloat16 expect max |diff| of 0.1-1 nats from kernel differences alone: raise
+--tolerance accordingly; float32 (the default) should give ~1e-5 or less.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--hf-dir", required=True, help="HuggingFace model directory (config.json + safetensors)")
+    parser.add_argument("--engine", choices=("embedded", "vllm", "sglang"), default="embedded",
+                        help="rollout engine (default: embedded); sglang runs on rank 0 with TP = --tp")  # fmt: skip
+    parser.add_argument("--tp", type=int, default=1, help="actor tensor-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="actor pipeline-parallel size (default 1)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (default: none)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="actor and engine dtype (default float32: exact comparison)")  # fmt: skip
+    parser.add_argument("--tolerance", type=float, default=1e-3,
+                        help="largest allowed per-token |engine - actor| log-prob difference (default 1e-3)")  # fmt: skip
+    parser.add_argument("--update", choices=("perturb", "step"), default="perturb",
+                        help="how the actor's weights change before the sync: scale every weight by 1 + 2^-6 "
+                        "(default; every tensor changes, so a missed one is caught) or one optimizer step")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of --update step (default 1e-4)")
+    parser.add_argument("--num-prompts", type=int, default=4, help="random prompts to sample from (default 4)")
+    parser.add_argument("--responses-per-prompt", type=int, default=2, help="samples per prompt (default 2)")
+    parser.add_argument("--prompt-length", type=int, default=16, help="tokens per random prompt (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="response length limit (default 32)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and --update step")
+    parser.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket size in MB (rollout.weight_sync_bucket_mb)")
+    parser.add_argument("--sync-mode", choices=("auto", "gather", "shared_memory", "tp_shards"), default="auto",
+                        help="how TP shards reach the engine (rollout.weight_sync_mode): gather full tensors, each TP "
+                        "rank writes its own slices to /dev/shm (leader placement) or loads them into its own engine "
+                        "shard (spmd); auto (default) picks like the trainer")  # fmt: skip
+    parser.add_argument("--placement", choices=("leader", "spmd"), default="leader",
+                        help="rollout.placement: one engine on rank 0 (default), or vLLM SPMD: every rank holds its "
+                        "shard of an engine with TP = --tp (vllm only)")  # fmt: skip
+    parser.add_argument("--only-failures", action="store_true", help="list only the tensors that differ")
+    parser.add_argument("--corrupt-tensor", metavar="NAME", default=None,
+                        help="self-test: after the sync, overwrite this HF tensor in the engine with a perturbed "
+                        "copy; the check must then fail (proves it can see a bad tensor on your setup)")  # fmt: skip
+    parser.add_argument("--transformer-engine", choices=("auto", "on", "off"), default="auto",
+                        help="actor layer implementation (default auto: TE when usable)")  # fmt: skip
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM: share of GPU memory (default 0.3)")
+    parser.add_argument("--kv-cache-mb", type=int, default=None,
+                        help="vLLM: KV cache size in MB (default: 256 on CPU, from --gpu-memory-utilization on GPU)")  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=900, help="collective timeout in seconds (default 900)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch: re-execute under torch.distributed.run when started as a plain command
+# ---------------------------------------------------------------------------------------------
+
+
+def launched_by_a_launcher(env: Optional[dict] = None) -> bool:
+    """True under torchrun (RANK / WORLD_SIZE) or inside an srun step (not a bare sbatch shell)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return True
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    return in_step and "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line options that reproduce `args` (for the re-executed processes)."""
+    argv: list[str] = []
+    for action_dest, value in sorted(vars(args).items()):
+        if action_dest.startswith("_") or action_dest == "command" or value is None or value is False:
+            continue
+        flag = "--" + action_dest.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def _relaunch(args: argparse.Namespace, nproc: int) -> int:
+    """Run this check on `nproc` local processes under torch.distributed.run; return its exit code."""
+    import socket
+
+    import megatron_dapo
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    package_root = str(Path(megatron_dapo.__file__).resolve().parent.parent)
+    with tempfile.TemporaryDirectory(prefix="check_sync_") as tmp:
+        result_file = Path(tmp) / "result.json"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env[RESULT_FILE_ENV] = str(result_file)
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "megatron_dapo.rollout.sync.check", *to_argv(args),
+        ]  # fmt: skip
+        print(f"check-sync: starting {nproc} processes (tp={args.tp} x pp={args.pp}) with torch.distributed.run", flush=True)
+        code = subprocess.call(command, env=env)
+        if result_file.is_file():
+            return EXIT_PASS if json.loads(result_file.read_text())["passed"] else EXIT_FAIL
+        print(f"check-sync: the processes failed before reaching a verdict (exit code {code})", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `megatron-dapo check-sync` (see the module docstring)."""
+    for name in ("tp", "pp", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            print(f"check-sync: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return EXIT_ERROR
+    if not (Path(args.hf_dir) / "config.json").is_file():
+        print(f"check-sync: {args.hf_dir} is not an HF model directory (no config.json)", file=sys.stderr)
+        return EXIT_ERROR
+    nproc = args.tp * args.pp
+    if launched_by_a_launcher():
+        return _check(args, env=None)
+    if nproc > 1:
+        return _relaunch(args, nproc)
+    return _check(args, env={})  # one process, no launcher: a private single-rank group
+
+
+# ---------------------------------------------------------------------------------------------
+# The check (every rank)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Printer:
+    """Prints on rank 0 only."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, text: str = "") -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+
+def _make_engine(args: argparse.Namespace, device, torch_dtype):
+    """rank 0's engine (leader placement), or this rank's shard of a TP = --tp vLLM engine (spmd)."""
+    if args.engine == "embedded":
+        from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(args.hf_dir, dtype=torch_dtype, device=device)
+    if args.engine == "sglang":
+        from megatron_dapo.rollout.engines.sglang.engine import SGLangEngine
+
+        # As the trainer builds it (rollout.tp = parallel.tp): SGLang's own TP ranks load their
+        # slices of the full tensors, and named_weights gathers them back.
+        return SGLangEngine(
+            args.hf_dir,
+            tensor_parallel_size=args.tp,
+            dtype=args.dtype,
+            mem_fraction_static=args.gpu_memory_utilization,
+            max_model_len=args.prompt_length + args.max_new_tokens + 8,
+            seed=args.seed,
+            device=device.type,
+            skip_tokenizer_init=True,  # token ids in and out; the check needs no tokenizer
+        )
+    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
+
+    # vLLM logs every start-up detail at INFO; keep the check's report readable (override to see them).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    kwargs: dict[str, Any] = {}
+    kv_mb = args.kv_cache_mb if args.kv_cache_mb is not None else (256 if device.type == "cpu" else None)
+    if kv_mb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_mb) << 20
+    return VLLMEngine(
+        args.hf_dir,
+        tensor_parallel_size=args.tp if args.placement == "spmd" else 1,
+        placement=args.placement,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.prompt_length + args.max_new_tokens + 8,
+        seed=args.seed,
+        **kwargs,
+    )
+
+
+def _actor_config(args: argparse.Namespace):
+    from megatron_dapo.config import Config
+
+    cfg = Config()
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = args.tp, args.pp, args.vpp
+    cfg.optimizer.lr = args.lr
+    cfg.optimizer.warmup_steps = 0
+    cfg.rollout.temperature = args.temperature
+    cfg.rollout.max_response_length = args.max_new_tokens
+    cfg.trainer.micro_batch_size = args.num_prompts * args.responses_per_prompt
+    return cfg
+
+
+def _sample(engine, prompts, args, seed: int) -> dict:
+    """Rank 0 samples; every rank gets the responses (and rank 0's log-probs)."""
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout.base import SamplingParams
+
+    payload = [None]
+    if engine is not None:
+        params = SamplingParams(
+            n=args.responses_per_prompt, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=seed
+        )
+        out = engine.generate(prompts, params)
+        payload = [{
+            "prompt_index": list(out.prompt_index),
+            "responses": [list(r) for r in out.response_ids],
+            "log_probs": [lp.tolist() for lp in out.log_probs],
+        }]  # fmt: skip
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _as_batch(prompts, sampled: dict):
+    from megatron_dapo.actor import PolicyBatch
+
+    return PolicyBatch.from_token_lists([prompts[i] for i in sampled["prompt_index"]], sampled["responses"])
+
+
+def _compare_tensors(engine, models, hf_cfg, say: _Printer, only_failures: bool) -> tuple[int, int, list[str]]:
+    """Stream the actor's HF export and compare each tensor with the engine's (rank 0). Collective.
+
+    Prints one line per tensor (only the differing ones with `only_failures`; nothing when `say` is
+    disabled). Returns (equal, compared, problems) on rank 0; (0, 0, []) elsewhere.
+    """
+    import torch
+
+    from megatron_dapo.model.load import export_megatron_to_hf
+
+    state = dict(engine.named_weights()) if engine is not None else {}
+    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+    equal = compared = 0
+    problems: list[str] = []
+
+    def compare(name: str, have: Optional[torch.Tensor], tensor: torch.Tensor, label: str = "") -> None:
+        nonlocal equal
+        shape = list(tensor.shape)
+        if have is None:
+            problems.append(name)
+            say(f"   MISSING {name}: the engine has no tensor of this name")
+            return
+        want = tensor.detach().to(device=have.device, dtype=have.dtype)
+        if tuple(have.shape) != tuple(want.shape):
+            problems.append(name)
+            say(f"   DIFF  {name:<56} shape {list(have.shape)} in the engine, {shape} in the actor{label}")
+        elif torch.equal(have, want):
+            equal += 1
+            if not only_failures:
+                say(f"   OK    {name:<56} {str(shape):<14} {str(have.dtype).replace('torch.', '')}{label}")
+        else:
+            problems.append(name)
+            diff = (have.double() - want.double()).abs()
+            say(f"   DIFF  {name:<56} {str(shape):<14} max|diff| {float(diff.max()):.3e}, "
+                f"{int((diff > 0).sum())} of {diff.numel()} elements differ{label}")  # fmt: skip
+
+    embedding = None
+    for name, tensor in export_megatron_to_hf(models, hf_cfg):
+        if engine is None:
+            continue
+        compared += 1
+        compare(name, state.pop(name, None), tensor)
+        if tied and name == "model.embed_tokens.weight":
+            embedding = tensor.detach().clone()
+    # Engines that keep a separate copy of a tied LM head list it: it must equal the embedding.
+    if embedding is not None and "lm_head.weight" in state:
+        compared += 1
+        compare("lm_head.weight", state.pop("lm_head.weight"), embedding, "  (tied: vs the embedding)")
+    for name in sorted(state):
+        say(f"   NOTE  {name}: in the engine but not in the actor's export (not checked)")
+    return equal, compared, problems
+
+
+def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+    from megatron_dapo.rollout.group import RolloutGroup
+    from megatron_dapo.algorithm.mismatch import log_prob_mismatch
+    from megatron_dapo.rollout.placement import SpmdSlot
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp), timeout_s=args.timeout_s, seed=args.seed, env=env)
+    say = _Printer(ctx.rank == 0)
+    engine = None
+    passed = False
+    try:
+        from megatron_dapo.actor import ForwardSettings, ReferenceModel, build_actor, split_mini_batches
+        from megatron_dapo.model.builder import build_gpt_models
+        from megatron_dapo.model.hf_config import read_hf_config
+        from megatron_dapo.model.load import load_hf_into_megatron
+
+        hf_cfg = read_hf_config(args.hf_dir)
+        layout = ctx.layout
+        say(f"check-sync: {args.hf_dir} ({hf_cfg.architecture}, {hf_cfg.num_layers} layers)")
+        say(f"  actor: tp={layout.tp} pp={layout.pp}{f' vpp={layout.vpp}' if layout.vpp else ''} dp={layout.dp} "
+            f"{args.dtype} on {ctx.device.type} ({ctx.backend});  engine: {args.engine} {args.dtype} "
+            f"{'on rank 0' if args.placement == 'leader' else f'spmd, TP={args.tp} shards on every rank'}")  # fmt: skip
+
+        started = time.perf_counter()
+        models = build_gpt_models(hf_cfg, layout, torch_dtype, transformer_engine=args.transformer_engine, init_weights=False)
+        load_hf_into_megatron(models, args.hf_dir, hf_cfg)
+        cfg = _actor_config(args)
+        if args.update == "step":
+            actor = build_actor(cfg, models, vocab_size=hf_cfg.vocab_size)
+        else:
+            actor = ReferenceModel(models, ForwardSettings.from_config(cfg, hf_cfg.vocab_size))
+        if args.placement == "spmd" and args.engine != "vllm":
+            raise ValueError("--placement spmd needs --engine vllm")
+        if ctx.rank == 0 or args.placement == "spmd":  # spmd: a collective, every rank holds a shard
+            engine = _make_engine(args, ctx.device, torch_dtype)
+        dist.barrier()
+        say(f"1. loaded the checkpoint into the actor and the engine ({time.perf_counter() - started:.1f} s)")
+
+        generator = torch.Generator().manual_seed(args.seed)
+        prompts = torch.randint(0, hf_cfg.vocab_size, (args.num_prompts, args.prompt_length), generator=generator).tolist()
+        if args.update == "step":
+            sampled = _sample(engine, prompts, args, seed=args.seed)
+            batch = _as_batch(prompts, sampled)
+            batch.old_log_probs = actor.compute_log_probs(batch)
+            batch.advantages = torch.where(torch.rand(batch.num_sequences, generator=generator) < 0.5, -1.0, 1.0)
+            metrics = actor.update(split_mini_batches(batch, 1))
+            say(f"2. one optimizer step (lr {args.lr:g}, grad norm {metrics['grad_norm']:.3g}) on {batch.num_sequences} sampled responses")
+        else:
+            with torch.no_grad():
+                for model in actor.gpt_models:
+                    for param in model.parameters():
+                        param.mul_(PERTURB_FACTOR)
+            say("2. scaled every actor weight by 1 + 2^-6")
+        # How stale is the engine now? Only tensors that differ before the sync can reveal a missed one.
+        stale_equal, stale_compared, _ = _compare_tensors(engine, actor.gpt_models, hf_cfg, _Printer(False), True)
+        say(f"   before the sync, {stale_compared - stale_equal} of {stale_compared} engine tensors differ from the actor"
+            + ("" if stale_equal == 0 else f" ({stale_equal} unchanged by the update: a missed sync of those cannot show)"))
+
+        slot = SpmdSlot(ctx.rank, ctx.world_size, args.tp) if args.placement == "spmd" else None
+        rollout = RolloutGroup(engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot)
+        try:
+            stats = rollout.sync_weights(actor.gpt_models, hf_cfg, args.bucket_mb)
+        finally:
+            rollout.close_weight_sync()
+        moved = "MB of this rank's own slices" if rollout.sync_mode in ("shared_memory", "tp_shards") else "MB"
+        say(f"3. synced {stats.num_tensors} tensors ({rollout.sync_mode}), {stats.bytes / 1e6:.1f} {moved} in {stats.num_buckets} "
+            f"bucket(s) (largest {stats.peak_bucket_bytes / 1e6:.1f} MB) in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s")  # fmt: skip
+        if engine is not None and args.corrupt_tensor:
+            current = dict(engine.named_weights())
+            if args.corrupt_tensor not in current:
+                raise KeyError(f"--corrupt-tensor {args.corrupt_tensor!r}: the engine has no such tensor")
+            bad = current[args.corrupt_tensor].clone()
+            bad.add_(0.05 * bad.abs().max().clamp(min=1e-3))
+            # The whole state again with one tensor changed: vLLM takes a fused layer (gate_up_proj,
+            # qkv_proj) only whole, and a tied engine's read-back LM head is not a tensor to load.
+            skip = "lm_head.weight" if hf_cfg.tie_word_embeddings else None
+            engine.load_weights((name, bad if name == args.corrupt_tensor else tensor) for name, tensor in current.items() if name != skip)
+            say(f"   (self-test: overwrote {args.corrupt_tensor} in the engine with a perturbed copy)")
+
+        say("4. per-tensor equality, engine vs the actor's HF export (bit for bit):")
+        equal, compared, problems = _compare_tensors(engine, actor.gpt_models, hf_cfg, say, args.only_failures)
+        say(f"   {equal} of {compared} tensors equal")
+
+        sampled = _sample(engine, prompts, args, seed=args.seed + 1)
+        batch = _as_batch(prompts, sampled)
+        trainer = actor.compute_log_probs(batch)
+        rollout = torch.zeros_like(trainer)
+        for row, values in enumerate(sampled["log_probs"]):
+            rollout[row, : len(values)] = torch.tensor(values, dtype=rollout.dtype)
+        mismatch = log_prob_mismatch(rollout, trainer, batch.response_valid_mask())
+        say(f"5. log-prob mismatch, engine vs actor, on {batch.num_sequences} sampled responses "
+            f"({int(mismatch.num_tokens)} tokens, temperature {args.temperature:g}):")  # fmt: skip
+        say(f"   mean |diff| {mismatch.mean_abs_diff:.3e}   max |diff| {mismatch.max_abs_diff:.3e}   "
+            f"k3 KL {mismatch.k3_kl:.3e}   (tolerance on max |diff|: {args.tolerance:g})")  # fmt: skip
+
+        verdict = [not problems, mismatch.max_abs_diff <= args.tolerance]
+        if ctx.rank == 0:
+            passed = all(verdict)
+            if passed:
+                say("PASS: every tensor equal, log-prob mismatch within tolerance")
+            else:
+                reasons = []
+                if problems:
+                    shown = ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
+                    reasons.append(f"{len(problems)} tensor(s) differ ({shown})")
+                if not verdict[1]:
+                    reasons.append(f"max |diff| {mismatch.max_abs_diff:.3e} > tolerance {args.tolerance:g}")
+                say("FAIL: " + "; ".join(reasons))
+        flag = torch.tensor([1 if passed else 0], dtype=torch.long, device=ctx.device)
+        dist.broadcast(flag, src=0)
+        passed = bool(flag.item())
+        if ctx.rank == 0 and os.environ.get(RESULT_FILE_ENV):
+            Path(os.environ[RESULT_FILE_ENV]).write_text(json.dumps({"passed": passed}))
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        teardown()
+    if os.environ.get(RESULT_FILE_ENV):
+        return EXIT_PASS  # the parent reads the verdict from the file; torchrun stays quiet
+    return EXIT_PASS if passed else EXIT_FAIL
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-dapo check-sync")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The console entry point: help, config command, and the demo (the README's main command today)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_dapo.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_lists_commands():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    assert "demo" in out.stdout and "config" in out.stdout
+
+
+def test_config_command_prints_resolved_config_or_error():
+    out = run_cli("config", "configs/tiny_cpu.yaml", "rollout.n=4")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["rollout"]["n"] == 4
+    bad = run_cli("config", "configs/tiny_cpu.yaml", "rollout.nn=4")
+    assert bad.returncode == 2
+    assert "Did you mean 'rollout.n'" in bad.stderr
+
+
+def test_train_takes_the_config_positionally_or_with_the_flag():
+    import argparse
+
+    import pytest
+
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.cli.train import add_arguments, resolve_config_argument
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def resolved(*argv):
+        args = parser.parse_args(list(argv))
+        resolve_config_argument(args)
+        return args.config, args.overrides
+
+    assert resolved("c.yaml", "a.b=1") == ("c.yaml", ["a.b=1"])
+    assert resolved("--config", "c.yaml", "a.b=1") == ("c.yaml", ["a.b=1"])
+    assert resolved("a.b=1", "--config", "c.yaml") == ("c.yaml", ["a.b=1"])
+    for argv, message in [(("a.b=1",), "no config file"), (("--config", "c.yaml", "d.yaml"), "two config files"),
+                          (("c.yaml", "a.b=1", "oops"), "'oops' is not a KEY=VALUE")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            resolved(*argv)
+
+
+def test_overrides_may_follow_options():
+    """`config FILE --world-size 2 parallel.tp=2`, `train FILE --resume k=v`: overrides after an option count."""
+    out = run_cli("config", "configs/tiny_cpu.yaml", "--world-size", "2", "parallel.tp=2", "rollout.n=4")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert (resolved["parallel"]["tp"], resolved["rollout"]["n"]) == (2, 4)
+    trained = run_cli("train", "configs/tiny_cpu.yaml", "--resume", "model.hf_dir=/nonexistent/model")
+    assert trained.returncode == 2 and "'model.hf_dir'=/nonexistent/model" in trained.stderr, trained.stderr
+    stray = run_cli("train", "configs/tiny_cpu.yaml", "--resume", "--bogus", "a.b=1")
+    assert stray.returncode == 2 and "unrecognized arguments: --bogus" in stray.stderr
+
+
+def test_train_without_a_config_says_how_to_give_one():
+    out = run_cli("train", "trainer.total_steps=1")
+    assert out.returncode == 2
+    assert "no config file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_runs_sft_then_dapo(tmp_path):
+    """The main job, shortened: workspace, 3 SFT steps, 2 DAPO steps with validation before and after."""
+    out = run_cli("demo", "--workspace", str(tmp_path / "ws"), "sft.total_steps=3", "sft.batch_size=16",
+                  "trainer.total_steps=2", "trainer.eval_every=2", "rollout.val_n=2", "trainer.loggers=[console,jsonl]",
+                  "algorithm.filter_groups.enable=false", "trainer.gen_batch_size=8", "trainer.train_batch_size=8")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "validation accuracy (avg@2):" in out.stdout
+    dapo = tmp_path / "ws" / "dapo"
+    steps = [json.loads(line)["step"] for line in (dapo / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    assert (dapo / "plot.png").stat().st_size > 10_000
+    assert (tmp_path / "ws" / "sft" / "checkpoints" / "latest").exists()

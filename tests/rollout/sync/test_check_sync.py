@@ -1,0 +1,92 @@
+"""`megatron-dapo check-sync` end to end, as a user runs it (subprocesses, the tiny models).
+
+* TP=2, plain command: it starts its two processes itself; the sync takes the shared-memory
+  hand-over (auto at TP=2); every tensor equal, mismatch printed, exit code 0;
+* one process (no launcher) with a tolerance below the float32 noise: tensors equal, exit code 1
+  because of the log-prob mismatch alone;
+* `tools/check_sync.py` at PP=2 after one real optimizer step, with `--corrupt-tensor`: the
+  corrupted tensor is reported as differing and the exit code is 1;
+* `--help` explains the command and the `megatron-dapo` help lists it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _run(*args: str, script: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
+    entry = [str(ROOT / "tools" / "check_sync.py")] if script else ["-m", "megatron_dapo.cli.main", "check-sync"]
+    return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _mismatch(stdout: str) -> tuple[float, float]:
+    match = re.search(r"mean \|diff\| (\S+)\s+max \|diff\| (\S+)", stdout)
+    assert match, stdout
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_help_explains_the_command():
+    out = _run("--help")
+    assert out.returncode == 0, out.stderr
+    for text in ("bit for bit", "--tolerance", "--engine {embedded,vllm,sglang}", "Exit code", "torch.distributed.run"):
+        assert text in out.stdout, text
+    top = subprocess.run([sys.executable, "-m", "megatron_dapo.cli.main", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert "check-sync" in top.stdout
+
+
+def test_tp2_passes_and_reports_every_tensor(tiny_model_dirs):
+    out = _run("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "embedded", "--tp", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "starting 2 processes" in out.stdout
+    assert "before the sync, 50 of 50 engine tensors differ from the actor" in out.stdout
+    assert len(re.findall(r"^   OK    ", out.stdout, flags=re.M)) == 50  # tied: no lm_head.weight
+    assert "50 of 50 tensors equal" in out.stdout and "PASS" in out.stdout
+    assert "(shared_memory)" in out.stdout and "MB of this rank's own slices" in out.stdout  # auto at TP=2
+    mean, largest = _mismatch(out.stdout)
+    assert 0 <= mean <= largest < 1e-4
+
+
+def test_spmd_vllm_tp2_fails_only_on_a_corrupted_tensor(tiny_model_dirs, require_vllm):
+    """--placement spmd: each of the 2 processes holds one vLLM shard; tp_shards sync. The self-test
+    corrupts one tensor after the sync: that one must fail and every other one compare equal (one
+    launch covers both the passing sync and the failing check; a vLLM TP=2 start costs ~35 s)."""
+    name = "model.layers.1.mlp.up_proj.weight"
+    out = _run("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "vllm", "--tp", "2", "--placement", "spmd",
+               "--corrupt-tensor", name, timeout=400)  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "spmd, TP=2 shards on every rank" in out.stdout and "(tp_shards)" in out.stdout
+    assert re.findall(r"^   DIFF  (\S+)", out.stdout, flags=re.M) == [name]
+    equal = re.search(r"(\d+) of (\d+) tensors equal", out.stdout)
+    assert equal and int(equal.group(1)) == int(equal.group(2)) - 1 > 20, out.stdout[-3000:]
+    assert len(re.findall(r"^   OK    ", out.stdout, flags=re.M)) == int(equal.group(1))
+    assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout
+
+
+def test_single_process_fails_on_tolerance_alone(tiny_model_dirs):
+    out = _run("--hf-dir", str(tiny_model_dirs["qwen2"]), "--tolerance", "1e-12", "--only-failures")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "starting" not in out.stdout  # one process: no relaunch
+    assert "51 of 51 tensors equal" in out.stdout and "DIFF" not in out.stdout
+    _, largest = _mismatch(out.stdout)
+    assert largest > 1e-12
+    assert "FAIL: max |diff|" in out.stdout
+
+
+def test_corrupted_tensor_after_an_optimizer_step_fails(tiny_model_dirs):
+    name = "model.layers.2.mlp.up_proj.weight"
+    out = _run(
+        "--hf-dir", str(tiny_model_dirs["llama3"]), "--pp", "2", "--update", "step",
+        "--corrupt-tensor", name, "--only-failures", script=True,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "one optimizer step" in out.stdout
+    assert "before the sync, 39 of 39 engine tensors differ" in out.stdout
+    diff_lines = re.findall(r"^   DIFF  (\S+)", out.stdout, flags=re.M)
+    assert diff_lines == [name]
+    assert "38 of 39 tensors equal" in out.stdout
+    assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout

@@ -1,0 +1,41 @@
+"""`megatron-dapo check-sync --engine sglang` end to end against the real SGLang CPU engine.
+
+* TP = 1, tied Qwen2: every tensor read back from the engine equals the actor's export bit for bit
+  after the sync, and the engine's log-probs of its own samples match the actor's (float32).
+* TP = 2 (the actor over two processes, the sync through the shared-memory hand-over; SGLang with
+  two TP ranks of its own, each loading its slices of the full tensors, read back by gathering
+  them), Qwen3 (q_norm / k_norm, head_dim != hidden / heads), with the self-test that corrupts one
+  tensor after the sync: exactly that one differs (every other is gathered back equal), exit 1.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.rollout.sync.test_check_sync import _mismatch, _run
+
+pytestmark = pytest.mark.usefixtures("require_sglang")
+
+
+def test_tp1_every_tensor_equal_and_log_probs_match(tiny_model_dirs):
+    out = _run("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "sglang", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "engine: sglang float32 on rank 0" in out.stdout
+    assert "before the sync, 50 of 50 engine tensors differ from the actor" in out.stdout
+    assert "50 of 50 tensors equal" in out.stdout and "PASS" in out.stdout
+    mean, largest = _mismatch(out.stdout)
+    assert 0 <= mean <= largest < 1e-4
+
+
+def test_tp2_engine_fails_only_on_a_corrupted_tensor(tiny_model_dirs):
+    name = "model.layers.1.mlp.up_proj.weight"
+    out = _run("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "sglang", "--tp", "2", "--corrupt-tensor", name,
+               timeout=600)  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "starting 2 processes" in out.stdout and "(shared_memory)" in out.stdout
+    assert re.findall(r"^   DIFF  (\S+)", out.stdout, flags=re.M) == [name]
+    equal = re.search(r"(\d+) of (\d+) tensors equal", out.stdout)
+    assert equal and int(equal.group(1)) == int(equal.group(2)) - 1 > 40, out.stdout[-3000:]
+    assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout
