@@ -82,7 +82,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    return int(importlib.import_module(args._module).run(args) or 0)
+    return run_command(importlib.import_module(args._module).run, args)
+
+
+def run_command(run, args: argparse.Namespace) -> int:
+    """Run one command under the one error handler every command shares (`megatron_dapo.errors`):
+    bad input -> "megatron-dapo: error: ..." and exit 2, a reason to stop -> the same prefix and
+    exit 1, anything else -> the traceback (a bug). Multi-rank runs name the rank that failed."""
+    from megatron_dapo import errors
+
+    try:
+        return int(run(args) or 0)
+    except Exception as error:
+        code = errors.exit_code(error)
+        if code is None:
+            raise
+        print(f"megatron-dapo: error{rank_suffix()}: {errors.describe(error)}", file=sys.stderr, flush=True)
+        return code
+
+
+def rank_suffix() -> str:
+    """" (rank N)" in a job of several ranks (torchrun / srun), else empty: which process said it."""
+    import os
+
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    return f" (rank {rank})" if rank is not None and world not in (None, "1") else ""
 
 
 if __name__ == "__main__":
