@@ -142,7 +142,7 @@ def _all_gather_rows(shard, group):
 def recipe_32b() -> dict:
     """Bytes through host memory per rank per sync for configs/dapo_qwen2.5_32b.yaml, before and after."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.plan.memory import hf_parameter_count, known_model
+    from megatron_dapo.plan import hf_parameter_count, known_model
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "dapo_qwen2.5_32b.yaml"))
     model = known_model("qwen2.5-32b")

@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_dapo.cli.train", "DAPO training (every rank; torchrun / srun / one process), --resume to continue"),
     "sft": ("megatron_dapo.trainer.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
     "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
-    "plan": ("megatron_dapo.plan.memory", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
+    "plan": ("megatron_dapo.cli.plan", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
     "doctor": ("megatron_dapo.doctor.preflight", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
     "config": ("megatron_dapo.cli.config", "print the resolved configuration of a YAML file + overrides, or its error"),
     "convert": ("megatron_dapo.checkpoint.conversion", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),

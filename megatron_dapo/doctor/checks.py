@@ -3,7 +3,7 @@
 Each check is a small pure function of facts (`check_*` -> `Check`), each fact comes from one small
 reader (`*_facts`, `read_*`, `job_shape`) that tests can replace at its boundary: `torch_facts`
 takes the `torch` module (a fake one in the GPU tests), `flash_facts` and `versions.probe` an
-import function. The memory checks call the planner (`memory_plan`), never a formula of their own.
+import function. The memory checks call the planner (`megatron_dapo.plan`), never a formula of their own.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ class ConfigFacts:
     error: Optional[str] = None
     layout: str = ""
     plan: Any = None
-    """memory_plan.MemoryPlan at this machine's GPU capacity, or None."""
+    """plan.MemoryPlan at this machine's GPU capacity, or None."""
     model: Any = None
     """model.hf_config.HFModelConfig of the plan, or None."""
     plan_error: Optional[str] = None
@@ -318,7 +318,7 @@ def config_facts(
     """Load the config, check its layout for the world and plan its memory on this node's GPUs."""
     from megatron_dapo.config import ConfigError, load_config
     from megatron_dapo.distributed.layout import ParallelLayout
-    from megatron_dapo.plan.memory import ClusterShape, plan_memory, resolve_model
+    from megatron_dapo.plan import ClusterShape, plan_memory, resolve_model
 
     facts = ConfigFacts(gpu_memory_gib=gpu_memory_gib)
     try:
@@ -638,7 +638,7 @@ def check_host_memory(total: Optional[int], available: Optional[int], need: Opti
 def checkpoint_bytes(model: Any, dtype: str) -> int:
     """One checkpoint on disk: the model's weights and the optimizer state (fp32 main weights and
     Adam moments), from the planner's parameter count (grads are not saved)."""
-    from megatron_dapo.plan.memory import actor_memory, hf_parameter_count
+    from megatron_dapo.plan import actor_memory, hf_parameter_count
 
     state = actor_memory(hf_parameter_count(model), dtype, 1)
     return int(state.params + state.main_params + state.optimizer)

@@ -195,7 +195,7 @@ def test_host_memory_and_locked_memory_use_the_planners_pinned_bytes():
 
 
 def test_disk_against_the_checkpoints_kept():
-    from megatron_dapo.plan.memory import hf_parameter_count, known_model
+    from megatron_dapo.plan import hf_parameter_count, known_model
 
     model = known_model("qwen2.5-32b")
     one = checks.checkpoint_bytes(model, "bfloat16")
