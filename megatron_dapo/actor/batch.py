@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_dapo.data.micro_batches import pack_sequences, split_into_micro_batches
+from megatron_dapo.data.micro_batches import pack_sequences, round_up, split_into_micro_batches
 
 __all__ = [
     "MicroBatch",
@@ -283,10 +283,6 @@ class MicroBatch:
         return self.input_ids.shape[0]
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def build_micro_batch(
     batch: PolicyBatch,
     indices: Sequence[int],
@@ -327,7 +323,7 @@ def build_micro_batch(
         starts = packed_inputs.cu_seqlens_padded[:-1].to(torch.long)
         attention_mask, packed_seq_params = None, packed_inputs.packed_seq_params()
     else:
-        seq_length = _round_up(max(x.numel() for x in inputs), pad_to_multiple_of)
+        seq_length = round_up(max(x.numel() for x in inputs), pad_to_multiple_of)
         rows = len(inputs)
         input_ids = torch.full((rows, seq_length), pad_token_id, dtype=torch.long, device=device)
         label_ids = torch.full((rows, seq_length), pad_token_id, dtype=torch.long, device=device)

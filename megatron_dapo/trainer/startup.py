@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dapo.config import Config, ConfigError, read_model_config, validate_model_shape
+from megatron_dapo.config import Config, ConfigError, read_model_config
 
 @dataclass
 class Runtime:
@@ -124,7 +124,6 @@ def preflight(
     if not config_file.is_file():
         raise ConfigError(f"'model.hf_dir'={hf_dir} is not an HF model directory (no config.json there)")
     hf_json = read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
-    validate_model_shape(cfg, hf_json)
     check_model_files(cfg)
     cfg.resolve_world(world_size)
     if cfg.model.megatron_checkpoint and not Path(cfg.model.megatron_checkpoint).exists():

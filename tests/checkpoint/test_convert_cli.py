@@ -80,8 +80,8 @@ def _tool(name: str):
     [
         ("missing_dir", "does not exist"),
         ("no_config", "no config.json in"),
-        ("tp3", "parallel.tp=3 does not divide model num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
-        ("pp3", "parallel.pp=3 does not divide model num_hidden_layers=4"),
+        ("tp3", "'parallel.tp'=3 does not divide the model's num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
+        ("pp3", "the model's num_hidden_layers=4 is not divisible by parallel.pp x parallel.vpp = 3: use parallel.pp in {1, 2, 4}"),
         ("non_empty_output", "is not empty: choose another one or pass --overwrite"),
         ("truncated_weights", "bytes but its header describes"),
     ],

@@ -59,7 +59,7 @@ def test_placement_resolution():
     assert resolve_placement("auto", "embedded") == "leader"
     assert resolve_placement("auto", "sglang") == "leader"
     assert resolve_placement("leader", "vllm") == "leader"
-    with pytest.raises(ValueError, match="rollout.placement=spmd needs rollout.engine"):
+    with pytest.raises(ValueError, match="'rollout.placement'=spmd needs rollout.engine"):
         resolve_placement("spmd", "sglang")
     with pytest.raises(ValueError, match="unknown rollout.placement"):
         resolve_placement("everywhere", "vllm")
