@@ -517,9 +517,9 @@ def space_facts(path: str | os.PathLike) -> Optional[SpaceFacts]:
 
 def shm_need(cfg: Any, tasks_per_node: int, host: str) -> tuple[int, str]:
     """Bytes of /dev/shm a node needs, and why: NCCL / vLLM / gloo per task, plus the weight-sync
-    bucket files the config's sync writes there (`rollout.group.choose_sync_mode`, the leader
+    bucket files the config's sync writes there (`rollout.sync.dispatch.choose_sync_mode`, the leader
     placement's vLLM transfer files)."""
-    from megatron_dapo.rollout.group import choose_sync_mode
+    from megatron_dapo.rollout.sync.dispatch import choose_sync_mode
     from megatron_dapo.rollout.placement import resolve_placement
 
     base = max(SHM_MIN_GIB * GIB, tasks_per_node * SHM_PER_TASK_MIB * MIB)

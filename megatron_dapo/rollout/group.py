@@ -21,15 +21,12 @@ of these modes (`rollout.weight_sync_mode`, decided at the first sync, identical
   owner loads them (leader: the leader rank; spmd: every rank, into its own engine, whose loaders
   take that rank's slice). Works anywhere, any rollout TP.
 * "shared_memory" (leader placement): the first stage's TP ranks each write only their own slices
-  into a shared bucket file in /dev/shm that the engine reads (`shard_handover`): no TP gather.
+  into a shared bucket file in /dev/shm that the engine reads (`sync/shared_memory.py`): no TP gather.
   Needs the leader's TP group on one node.
 * "tp_shards" (spmd, rollout TP = actor TP): each rank loads its own slices into its own
-  in-process engine (`spmd_sync`): no gather, no file.
+  in-process engine (`sync/tp_shards.py`): no gather, no file.
 
-"auto": spmd -> tp_shards when rollout TP = actor TP > 1, else gather; leader -> shared_memory when
-the actor's TP > 1 and the leader's TP group shares a node, except for the embedded engine on a GPU
-(there the NCCL gather lands directly in GPU memory, while the file path would go through host
-memory); otherwise gather.
+"auto" picks one of them (`sync.dispatch.choose_sync_mode`).
 
 Devices (GPU runs): every engine computes on GPUs of its own ranks (`placement.assign_engine_devices`,
 decided from every rank's GPU at start, identically on every rank): a leader's vLLM processes get
@@ -59,8 +56,7 @@ from megatron_dapo.rollout.placement import (
     replica_groups,
     resolve_placement,
 )
-
-SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
+from megatron_dapo.rollout.sync.dispatch import choose_sync_mode, sync_weights
 
 
 def make_engine(
@@ -115,49 +111,6 @@ def make_engine(
             **({} if devices is None else {"base_gpu_id": devices.base_gpu_id, "gpu_id_step": devices.gpu_id_step}),
         )
     raise ValueError(f"unknown rollout.engine {r.engine!r}")
-
-
-def choose_sync_mode(
-    requested: str,
-    tp_size: int,
-    tp_group_hosts: Sequence[str],
-    engine_kind: str,
-    device_type: str,
-    placement: str = "leader",
-    rollout_tp: Optional[int] = None,
-) -> str:
-    """The weight-sync mode for `rollout.weight_sync_mode=requested` (see the module doc); pure.
-
-    `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
-    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises ValueError for a
-    mode the placement cannot use.
-    """
-    if requested not in SYNC_MODES:
-        raise ValueError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
-    if placement == "spmd":
-        same_tp = rollout_tp == tp_size
-        if requested == "shared_memory":
-            raise ValueError("rollout.weight_sync_mode=shared_memory is for rollout.placement=leader; with spmd use auto, gather or tp_shards")
-        if requested == "tp_shards" and not same_tp:
-            raise ValueError(f"rollout.weight_sync_mode=tp_shards needs rollout.tp = parallel.tp (got {rollout_tp} and {tp_size}): use auto or gather")
-        if requested == "auto":
-            return "tp_shards" if same_tp and tp_size > 1 else "gather"
-        return requested
-    if requested == "tp_shards":
-        raise ValueError("rollout.weight_sync_mode=tp_shards needs rollout.placement=spmd (vLLM): use auto, gather or shared_memory")
-    one_node = len(set(tp_group_hosts)) <= 1
-    if requested == "gather":
-        return "gather"
-    if requested == "shared_memory":
-        if not one_node:
-            raise ValueError(
-                f"rollout.weight_sync_mode=shared_memory needs the TP group on one node; it spans {sorted(set(tp_group_hosts))} "
-                "(use gather or auto)"
-            )
-        return "shared_memory"
-    if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
-        return "shared_memory"
-    return "gather"
 
 
 def this_rank_gpu(device: torch.device) -> Optional[RankGpu]:
@@ -314,8 +267,6 @@ class RolloutGroup:
 
     def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float):
         """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""
-        from megatron_dapo.rollout.sync.dispatch import sync_weights
-
         if self.sync_mode is None:
             self.sync_mode = self._decide_sync_mode()
         if self.sync_mode == "shared_memory":
@@ -347,7 +298,7 @@ class RolloutGroup:
         return self._handover
 
     def _in_process_target(self):
-        """This rank's `spmd_sync.InProcessShardTarget` (made once; checks the TP groups coincide)."""
+        """This rank's `tp_shards.InProcessShardTarget` (made once; checks the TP groups coincide)."""
         from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
 
         if self._shard_target is None:

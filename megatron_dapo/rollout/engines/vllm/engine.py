@@ -16,7 +16,7 @@ Two placements (`placement=`):
   core, plus one worker per TP rank, spawned on this node's devices). Weights travel as
   safetensors bucket files in /dev/shm (tensors passed through `collective_rpc` would cross the
   process boundary as plain lists): `load_weights` writes them, `load_weights_file` takes a file
-  written by others (the actor's TP ranks: `shard_handover`).
+  written by others (the actor's TP ranks: `sync/shared_memory.py`).
 * "spmd": every rank of a rollout-TP group builds its own `LLM(..., distributed_executor_backend=
   "external_launcher")`; vLLM then runs in this process, on this rank's device, as TP rank
   `rank % tp` of the group of consecutive ranks `[rank - rank % tp, ... + tp)` of the existing
@@ -27,7 +27,7 @@ Two placements (`placement=`):
   independently (an unseeded `generate` takes its seeds from a counter the group's ranks share).
   Creating and shutting down the engine are collectives over the whole world.
   `collective_rpc` is an in-process call, so weights arrive as tensors: no file, and with
-  `spmd_sync.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
+  `tp_shards.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
   the trainer's process changes process-wide settings; `process_state.preserved_process_state`
   restores them.
 
@@ -384,7 +384,7 @@ class VLLMEngine(RolloutEngine):
 
         Part of the open update like `load_weights` (committed at the next generate). Each TP worker
         reads the file itself and its loaders take their own slices of the full tensors, which is
-        how TP ranks hand over their shards without a gather (`shard_handover`). The caller keeps
+        how TP ranks hand over their shards without a gather (`shared_memory`). The caller keeps
         the file until this returns.
         """
         self._load("mdapo_load_weights_file", str(path))

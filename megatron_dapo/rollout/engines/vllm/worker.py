@@ -15,7 +15,7 @@ driver closes it ("commits"). Committing also re-packs a tied LM head: vLLM proc
 weight only through the embedding, so on CPU the LM head would keep its old packed copy.
 Tensors arrive as safetensors bucket files (leader placement: `collective_rpc` arguments cross a
 process boundary as plain lists otherwise) or, in-process, as tensors on the parameters' device
-(TP slices as full-shape `spmd_sync.PlacedSlice`s, which the loaders narrow to their rows).
+(TP slices as full-shape `tp_shards.PlacedSlice`s, which the loaders narrow to their rows).
 
 Reading weights back (`mdapo_export_weights`). On GPU vLLM keeps its weights in checkpoint layout,
 fused and TP-sharded; we split them back into HF names. On CPU, linear layers keep no readable
@@ -142,7 +142,7 @@ class VLLMWorkerExtension:
         """{HF name: [first, end)} of the real vocabulary rows this TP rank holds, per vocabulary layer.
 
         vLLM pads the vocabulary to a multiple of 64 before splitting it over TP ranks; Megatron pads
-        to 128 * TP, so the two split points can differ (`spmd_sync` exchanges rows then).
+        to 128 * TP, so the two split points can differ (`tp_shards` exchanges rows then).
         """
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
