@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from megatron_dapo.errors import InputError
+
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A configuration problem, reported before anything expensive starts."""
 
 

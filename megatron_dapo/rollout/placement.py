@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megatron_dapo.errors import InputError
+
 PLACEMENT_CHOICES = ("auto", "spmd", "leader")
 SPMD_ENGINES = ("vllm",)
 
@@ -92,7 +94,7 @@ class SpmdSlot:
 # ---- devices ------------------------------------------------------------------------------------
 
 
-class PlacementError(ValueError):
+class PlacementError(InputError, ValueError):
     """A rollout layout the GPUs cannot hold; the message names the keys to change."""
 
 
