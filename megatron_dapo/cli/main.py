@@ -1,8 +1,9 @@
 """`megatron-dapo` command line: one entry point, one subcommand per job.
 
-Subcommands live in their own modules, each exposing `add_arguments(parser)` and `run(args) -> int`.
-Those modules keep heavy imports (torch, Megatron, engines) inside `run`, so `--help` is fast and an
-optional engine that is not installed never breaks an unrelated command.
+Each command is one module of this package exposing `add_arguments(parser)` and `run(args) -> int`,
+and returns through `run_command`, the one error handler. The command modules import the library
+inside `run` (this package is the only place with such lazy imports), so `--help` imports no torch
+and an optional engine that is not installed never breaks an unrelated command.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "the main job on a CPU: a tiny model learns arithmetic (workspace, SFT warm start, then DAPO)",
     ),
     "train": ("megatron_dapo.cli.train", "DAPO training (every rank; torchrun / srun / one process), --resume to continue"),
-    "sft": ("megatron_dapo.trainer.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
-    "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
+    "sft": ("megatron_dapo.cli.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
+    "prepare-data": ("megatron_dapo.cli.prepare_data", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
     "plan": ("megatron_dapo.plan.memory", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
-    "doctor": ("megatron_dapo.doctor.preflight", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
+    "doctor": ("megatron_dapo.cli.doctor", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
     "config": ("megatron_dapo.cli.config", "print the resolved configuration of a YAML file + overrides, or its error"),
-    "convert": ("megatron_dapo.checkpoint.conversion", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
-    "check-sync": ("megatron_dapo.rollout.sync.check", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
+    "convert": ("megatron_dapo.cli.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
+    "check-sync": ("megatron_dapo.cli.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
 }
 
 

@@ -1,11 +1,12 @@
-"""The console entry point: help, config command, and the demo (the README's main command today)."""
+"""The console entry point as a shell runs it: help (and what it imports), the config command, the
+train command's arguments, and the demo (the README's main command)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, timeout=300):
@@ -18,6 +19,17 @@ def test_help_lists_commands():
     out = run_cli("--help")
     assert out.returncode == 0
     assert "demo" in out.stdout and "config" in out.stdout
+
+
+def test_help_imports_no_torch():
+    """cli/ is the one place with lazy imports: `--help` loads no library module that imports torch."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_dapo.cli", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "megatron_dapo.cli.check_sync" in imported, sorted(imported)  # every command's module was loaded
+    heavy = sorted(name for name in imported if name.split(".")[0] in ("torch", "numpy", "transformers", "megatron", "pyarrow"))
+    assert not heavy, heavy
 
 
 def test_config_command_prints_resolved_config_or_error():
