@@ -61,7 +61,7 @@ def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    directions = parser.add_subparsers(dest="direction", metavar="<direction>", required=True)
+    directions = parser.add_subparsers(dest="direction", required=True)
     hf = directions.add_parser("hf-to-megatron", help="HF model directory -> Megatron distributed checkpoint",
                                description=HF_TO_MEGATRON_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_hf_to_megatron_arguments(hf)
