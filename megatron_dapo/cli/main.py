@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
+
+from megatron_dapo import errors
 
 # name -> (module, one-line help). Order is the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -45,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_known_warnings() -> None:
     """torch.distributed and Megatron-Core deprecation notices about APIs they call themselves: not
     the user's concern, and they bury the training table (PYTHONWARNINGS=default shows them)."""
-    import warnings
-
     if not sys.warnoptions:
         for module in (r"torch\.distributed", r"megatron", r"megatron_dapo\.distributed\.cpu_compat"):
             warnings.filterwarnings("ignore", category=FutureWarning, module=module)
@@ -90,8 +92,6 @@ def run_command(run, args: argparse.Namespace) -> int:
     """Run one command under the one error handler every command shares (`megatron_dapo.errors`):
     bad input -> "megatron-dapo: error: ..." and exit 2, a reason to stop -> the same prefix and
     exit 1, anything else -> the traceback (a bug). Multi-rank runs name the rank that failed."""
-    from megatron_dapo import errors
-
     try:
         return int(run(args) or 0)
     except Exception as error:
@@ -104,8 +104,6 @@ def run_command(run, args: argparse.Namespace) -> int:
 
 def rank_suffix() -> str:
     """" (rank N)" in a job of several ranks (torchrun / srun), else empty: which process said it."""
-    import os
-
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
     world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
     return f" (rank {rank})" if rank is not None and world not in (None, "1") else ""
