@@ -79,6 +79,7 @@ from megatron_dapo.checkpoint.optimizer_state import (
     optimizer_kind,
     sharding_metadata,
 )
+from megatron_dapo.errors import StopError
 
 __all__ = [
     "CheckpointCorruptError",
@@ -104,7 +105,7 @@ contents.optimizer_sharding; version 1 checkpoints (no checksums, fully_resharda
 PathLike = Union[str, os.PathLike]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StopError, RuntimeError):
     """A save or load step failed (on this rank or another one)."""
 
 

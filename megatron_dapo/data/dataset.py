@@ -34,6 +34,8 @@ from typing import Any, Iterator, Literal, Optional, Sequence, Union, overload
 
 import numpy as np
 
+from megatron_dapo.errors import InputError
+
 __all__ = [
     "DatasetError",
     "DatasetStats",
@@ -55,7 +57,7 @@ _TOKENIZE_BATCH = 2048
 _DEFAULT_DATA_SOURCE = "unknown"
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError, ValueError):
     """A dataset that cannot be used; the message names the file, the row and what to change."""
 
 

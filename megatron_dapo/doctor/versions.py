@@ -34,6 +34,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from megatron_dapo.errors import StopError
+
 __all__ = [
     "ALLOW_UNTESTED_ENV",
     "IncompatibleVersionError",
@@ -525,7 +527,7 @@ def probe(
         return Report(req, version=_version_of(req, import_module), missing=missing, allow_untested=allow)
 
 
-class IncompatibleVersionError(RuntimeError):
+class IncompatibleVersionError(StopError, RuntimeError):
     """The installed library is outside the tested range, or lacks an API the project calls."""
 
     def __init__(self, report: Report):

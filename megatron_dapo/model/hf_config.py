@@ -38,7 +38,7 @@ class UnsupportedModelError(InputError, ValueError):
     """The HF model uses an architecture or a feature this trainer does not implement."""
 
 
-class ModelFileError(ValueError):
+class ModelFileError(InputError, ValueError):
     """A file of the HF model directory is missing, unreadable or corrupt; the message names the file."""
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_dapo.config import Config, ConfigError, read_model_config
+from megatron_dapo.errors import StopError
 
 @dataclass
 class Runtime:
@@ -286,7 +287,7 @@ _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _SHORT_WRITE_MARKERS = ("unexpected pos",)
 
 
-class DiskFullError(OSError):
+class DiskFullError(StopError, OSError):
     """Writing the run's output failed for lack of space (ENOSPC, a quota, PyTorch's short write)."""
 
 

@@ -149,6 +149,6 @@ def test_resume_at_another_layout_from_a_dp_reshardable_checkpoint_is_a_named_er
     proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, run),
                    "trainer.total_steps=3", "parallel.tp=2", "--resume", nproc=2)  # fmt: skip
     assert proc.returncode != 0
-    assert "megatron-dapo: error:" in proc.stderr and "dp_reshardable" in proc.stderr, proc.stderr[-3000:]
+    assert "megatron-dapo: error (rank " in proc.stderr and "dp_reshardable" in proc.stderr, proc.stderr[-3000:]
     assert "tp 1 -> 2" in proc.stderr and "fully reshardable" in proc.stderr
     assert "CheckpointLayoutError" not in proc.stderr  # reported, not raised through
