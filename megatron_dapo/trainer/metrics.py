@@ -2,19 +2,23 @@
 
 Names follow verl's where verl has one, so that dashboards and the paper's curves read the same:
 
-    critic/           the train batch: score (the reward function's), rewards (score + overlong
-                      penalty), advantages (mean / max / min), acc/mean
-    actor/            the update (`MegatronActor.update`), clip fractions and KL under verl's names
-    response_length/  mean / max / min of the train batch, clip_ratio (truncated by the length limit)
-    prompt_length/    mean / max
-    train/            every generated sample (acc, score, overlong penalty), dynamic sampling's
-                      counts (`DynamicSamplingBuffer.stats`), epoch of the prompt stream
-    rollout_mismatch/ |rollout - trainer| log-probs of the train batch (`algorithm.mismatch`)
-    weight_sync/      seconds and GB/s of the push into the engine
-    actor_offload/    GB moved to host memory and back, and at what speed
-    timing_s/         seconds per phase (`Phase`), per step and per validation
-    perf/             tokens (prompt + response) per second
-    val/              validation: acc/mean@n, pass@k, maj@n, score, response length, prompt count
+    critic/score/{mean,max,min}        the reward function's score of the train batch
+    critic/rewards/{mean,max,min}      score + overlong penalty (what the advantages see)
+    critic/advantages/{mean,max,min}, critic/acc/mean
+    actor/*                            the update (`MegatronActor.update`): loss, grad_norm, lr, tokens,
+                                       ..., clip fractions and KL under verl's names (pg_clipfrac, ppo_kl)
+    response_length/{mean,max,min,clip_ratio}, prompt_length/{mean,max}    of the train batch
+    train/{acc,score}_all_generated, train/overlong_penalty_mean, train/overlong_penalised_frac
+                                       every sample generated in the step
+    train/num_gen_batches, train/num_groups_*, train/num_samples_reward_failed
+                                       dynamic sampling (`DynamicSamplingBuffer.stats`); train/epoch
+    rollout_mismatch/{mean_abs,max_abs,k3_kl,tokens}   |rollout - trainer| log-probs (`algorithm.mismatch`)
+    weight_sync/{seconds,gb_per_s}     the push of the new weights into the engine
+    actor_offload/{gb,dropped_grads_gb,offload_gb_per_s,onload_gb_per_s}
+    timing_s/<phase>                   seconds per `Phase` of the step; timing_s/step, timing_s/validation
+    perf/tokens_per_s                  prompt + response tokens of the train batch per second of the step
+    val/acc/mean@n, val/pass@k, val/maj@n, val/score/mean, val/response_length/{mean,clip_ratio},
+    val/num_prompts                    validation
 
 `tracking` (console table, progress bar, plot) groups and picks metrics by these names.
 """
