@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from megatron_dapo.algorithm.defaults import CLIP_C, CLIP_HIGH, CLIP_LOW
 from megatron_dapo.distributed.layout import (
     LayoutError,
     check_batch_split,
@@ -219,10 +220,10 @@ class KLConfig:
 
 @dataclass
 class AlgorithmConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = CLIP_LOW
+    clip_high: float = CLIP_HIGH
     """Decoupled upper clip range (DAPO clip-higher)."""
-    clip_c: Optional[float] = 3.0
+    clip_c: Optional[float] = CLIP_C
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"

@@ -66,7 +66,7 @@ from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.hf_weights import HFWeightReader, check_weight_files, open_safetensors
 from megatron_dapo.model.mapping import LOCAL_SPEC, ModelShape
 from megatron_dapo.model.safetensors_format import SAFETENSORS_DTYPES, safetensors_header, tensor_nbytes
-from megatron_dapo.trainer.startup import disk_full_error
+from megatron_dapo.checkpoint.disk_full import disk_full_error
 
 __all__ = [
     "DTYPES",

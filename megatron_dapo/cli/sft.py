@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer.sft import run_sft
-    from megatron_dapo.trainer.startup import stop_on_full_disk
+    from megatron_dapo.checkpoint.disk_full import stop_on_full_disk
 
     def job() -> None:
         resolve_config_argument(args)

@@ -123,7 +123,7 @@ def _close_process_groups() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.startup import stop_on_full_disk
+    from megatron_dapo.checkpoint.disk_full import stop_on_full_disk
     from megatron_dapo.trainer.loop import train
 
     def job() -> None:

@@ -103,7 +103,7 @@ def _library_errors() -> dict[type, int]:
     from megatron_dapo.model.hf_config import ModelFileError, UnsupportedModelError
     from megatron_dapo.rollout.placement import PlacementError
     from megatron_dapo.rollout.sync.check import CheckSyncError
-    from megatron_dapo.trainer.startup import DiskFullError
+    from megatron_dapo.checkpoint.disk_full import DiskFullError
 
     return {
         ConfigError: 2, DatasetError: 2, UnsupportedModelError: 2, ModelFileError: 2, PlacementError: 2,
@@ -120,7 +120,7 @@ def test_library_errors_carry_their_kind():
         assert issubclass(cls, kind) and not (kind is InputError and issubclass(cls, StopError)), cls.__name__
     from megatron_dapo.checkpoint.core import NoIntactCheckpointError
     from megatron_dapo.config import ConfigError
-    from megatron_dapo.trainer.startup import DiskFullError
+    from megatron_dapo.checkpoint.disk_full import DiskFullError
 
     assert exit_code(ConfigError("x")) == 2 and isinstance(ConfigError("x"), ValueError)
     assert exit_code(DiskFullError(errno.ENOSPC, "no space")) == 1 and isinstance(DiskFullError(errno.ENOSPC, "x"), OSError)

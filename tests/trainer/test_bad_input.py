@@ -190,7 +190,7 @@ def test_disk_full_is_recognised_through_the_chain_of_what_it_broke(tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_dapo.trainer.startup import DiskFullError, disk_full_error, stop_on_full_disk
+    from megatron_dapo.checkpoint.disk_full import DiskFullError, disk_full_error, stop_on_full_disk
 
     def chained(first: BaseException, then: BaseException) -> BaseException:
         try:
