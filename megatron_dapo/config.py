@@ -186,7 +186,7 @@ class RolloutConfig:
 
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
-"""Values `algorithm.filter_groups.metric` may name (see `experience.filter_metric`)."""
+"""Values `algorithm.filter_groups.metric` may name (see `trainer.samples.filter_metric`)."""
 
 
 @dataclass

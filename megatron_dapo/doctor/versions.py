@@ -126,7 +126,7 @@ class Requirement:
     """Modules tried for `__version__` before `module` (Megatron-Core keeps it in package_info)."""
     prepare: str = ""
     """"module:function" called before the real package is imported and probed, to put this process
-    in the state the engine would (SGLang on CPU: its CPU switch and `sglang_cpu_compat`)."""
+    in the state the engine would (SGLang on CPU: its CPU switch and `rollout/engines/sglang/cpu_compat.py`)."""
 
 
 # ---------------------------------------------------------------------------------------------

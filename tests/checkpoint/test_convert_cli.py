@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[2]
 HF_TO_MEGATRON = [sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py")]
 MEGATRON_TO_HF = [sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py")]
-CLI = [sys.executable, "-m", "megatron_dapo.cli.main", "convert"]
+CLI = [sys.executable, "-m", "megatron_dapo.cli", "convert"]
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:

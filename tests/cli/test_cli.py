@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_cli(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "megatron_dapo.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "megatron_dapo.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(*args: str, script: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
-    entry = [str(ROOT / "tools" / "check_sync.py")] if script else ["-m", "megatron_dapo.cli.main", "check-sync"]
+    entry = [str(ROOT / "tools" / "check_sync.py")] if script else ["-m", "megatron_dapo.cli", "check-sync"]
     return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
