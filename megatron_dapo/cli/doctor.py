@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from megatron_dapo.cli.main import sort_trailing_options
 from megatron_dapo.errors import InputError
 
 DESCRIPTION = (
@@ -76,22 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sort_remainder(args: argparse.Namespace) -> argparse.Namespace:
-    """Options that followed an override ended up in `args.overrides`: parse them out."""
-    if not any(item.startswith("-") for item in args.overrides):
-        return args
-    rest = argparse.ArgumentParser(prog="megatron-dapo doctor", add_help=False, argument_default=argparse.SUPPRESS)
-    _add_options(rest)
-    rest.add_argument("overrides", nargs="*")
-    parsed = vars(rest.parse_intermixed_args(args.overrides))
-    args.overrides = []
-    for key, value in parsed.items():
-        setattr(args, key, value)
-    return args
-
 
 def run(args: argparse.Namespace) -> int:
-    args = _sort_remainder(args)
+    args = sort_trailing_options(args, _add_options, "megatron-dapo doctor")
     if args.world_size is not None and args.world_size < 1:
         raise InputError(f"doctor: --world-size must be >= 1, got {args.world_size}")
     if args.bandwidth_mib < 1 or args.timeout_s <= 0:

@@ -102,6 +102,21 @@ def run_command(run, args: argparse.Namespace) -> int:
         return code
 
 
+def sort_trailing_options(args: argparse.Namespace, add_options, prog: str) -> argparse.Namespace:
+    """Options that followed a positional ended up in `args.overrides` (argparse's REMAINDER takes
+    everything after the first override): parse them out with the options `add_options` declares."""
+    if not any(item.startswith("-") for item in args.overrides):
+        return args
+    rest = argparse.ArgumentParser(prog=prog, add_help=False, argument_default=argparse.SUPPRESS)
+    add_options(rest)
+    rest.add_argument("overrides", nargs="*")
+    parsed = vars(rest.parse_intermixed_args(args.overrides))
+    args.overrides = []
+    for key, value in parsed.items():
+        setattr(args, key, value)
+    return args
+
+
 def rank_suffix() -> str:
     """" (rank N)" in a job of several ranks (torchrun / srun), else empty: which process said it."""
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")

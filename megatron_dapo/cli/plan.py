@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_dapo.cli.main import sort_trailing_options
 from megatron_dapo.config import ConfigError, load_config
 
 # The planner imports neither torch nor Megatron (fast --help), and its tables are the choices --help lists.
@@ -78,23 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sort_remainder(args: argparse.Namespace) -> argparse.Namespace:
-    """Options that followed the config ended up in `args.overrides`: parse them out."""
-    if not any(item.startswith("-") for item in args.overrides):
-        return args
-    rest = argparse.ArgumentParser(prog="plan", add_help=False, argument_default=argparse.SUPPRESS)
-    _add_options(rest)
-    rest.add_argument("overrides", nargs="*")
-    parsed = vars(rest.parse_intermixed_args(args.overrides))
-    args.overrides = []
-    for key, value in parsed.items():
-        setattr(args, key, value)
-    return args
-
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 if it fits, 3 if it does not."""
-    args = _sort_remainder(args)
+    args = sort_trailing_options(args, _add_options, "megatron-dapo plan")
     config_path, overrides = args.config, list(args.overrides)
     if config_path is not None and "=" in config_path:  # only overrides, no file
         config_path, overrides = None, [config_path, *overrides]
