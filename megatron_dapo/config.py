@@ -376,6 +376,7 @@ CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable")  # = checkpoint.opt
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML file (optional), apply dotted `key=value` overrides, build and validate a Config."""
+    # `megatron-dapo --help` imports this module: omegaconf and yaml (~150 ms) load on first use.
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -720,6 +721,7 @@ def read_model_config(hf_dir: str) -> dict:
     """`model.hf_dir`'s config.json as a dict, refused (ConfigError naming the file and the key) when
     it is not valid JSON or describes an architecture this trainer cannot run: the same check and
     message as `megatron-dapo convert` (`model.hf_config.read_hf_config`)."""
+    # The megatron_dapo.model package imports torch, which `megatron-dapo --help` must not load.
     from megatron_dapo.model.hf_config import ModelFileError, UnsupportedModelError, load_config_json, read_hf_config
 
     try:

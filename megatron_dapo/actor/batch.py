@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_dapo.data.micro_batches import pack_sequences, round_up, split_into_micro_batches
+from megatron_dapo.distributed.context_parallel import split_for_cp_rank
 
 __all__ = [
     "MicroBatch",
@@ -382,8 +383,6 @@ def split_for_context_parallel(micro_batch: MicroBatch, cp_size: int, cp_rank: i
     response-aligned fields stay whole: every CP rank computes the same loss from the gathered
     per-token log-probs. The row length must already be a multiple of 2*CP (``pad_to_multiple_of``).
     """
-    from megatron_dapo.distributed.context_parallel import split_for_cp_rank
-
     if cp_size == 1:
         return micro_batch
     if micro_batch.packed_seq_params is not None:

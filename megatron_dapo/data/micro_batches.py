@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 __all__ = [
     "micro_batch_cost",
@@ -349,8 +350,6 @@ class PackedBatch:
         Every offset field is ``cu_seqlens_padded`` (one object) and ``max_seqlen`` the longest slot:
         see the module docstring for why the real offsets are not passed.
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         offsets = self.cu_seqlens_padded
         return PackedSeqParams(
             qkv_format="thd",

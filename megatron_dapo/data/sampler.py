@@ -22,6 +22,8 @@ from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
+from megatron_dapo.config import ConfigError
+
 __all__ = ["PromptSampler", "shard_for_rank"]
 
 T = TypeVar("T")
@@ -116,8 +118,6 @@ class PromptSampler:
         if int(state["seed"]) != self.seed:
             mismatches.append(f"data.seed is {self.seed} but was {state['seed']}")
         if mismatches:
-            from megatron_dapo.config import ConfigError  # a ValueError; the CLI reports it in one line
-
             raise ConfigError(
                 "cannot resume the prompt order of the checkpoint: " + "; ".join(mismatches) + ". To resume, set "
                 "them back to the values the checkpoint was written with (its metadata.json records them under "

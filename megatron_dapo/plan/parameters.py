@@ -31,7 +31,8 @@ def model_dims(model: HFModelConfig) -> tuple[int, int, int, int, int]:
 
 def padded_vocab(model: HFModelConfig, tp: int) -> int:
     """The vocabulary as Megatron pads it for `tp` ranks."""
-    from megatron_dapo.model.mapping import padded_vocab_size  # Megatron's padding rule, one source of truth
+    # Megatron's padding rule, one source of truth; megatron_dapo.model imports torch, which `plan` must not load.
+    from megatron_dapo.model.mapping import padded_vocab_size
 
     return padded_vocab_size(model.vocab_size, tp)
 

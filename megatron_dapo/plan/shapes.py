@@ -140,6 +140,7 @@ def _known_config(name: str) -> dict[str, Any]:
 
 def known_model(name: str) -> HFModelConfig:
     """The `HFModelConfig` of a model in `KNOWN_MODELS` (case-insensitive name)."""
+    # The megatron_dapo.model package imports torch, which `megatron-dapo plan` / --help must not load.
     from megatron_dapo.model.hf_config import read_hf_config
 
     return read_hf_config(_known_config(name))

@@ -34,6 +34,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.sharedctypes
 import os
+import signal
 import threading
 import time
 import weakref
@@ -93,8 +94,6 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def _worker_main(conn: Any, slot: Any, task: Callable[[Any, SampleClock], list[Any]]) -> None:
     """Worker loop: receive (chunk id, chunk); send back (chunk id, outputs, None), or
     (chunk id, None, message) when the task cannot work here at all."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is SLURM's SIGTERM, sent to every process of the job
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()

@@ -41,10 +41,13 @@ free_cache_engine`, level `rollout.sleep_level`); `wake_up(tags)` brings back "w
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
@@ -56,7 +59,10 @@ from megatron_dapo.rollout.placement import (
     replica_groups,
     resolve_placement,
 )
+from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
 from megatron_dapo.rollout.sync.dispatch import choose_sync_mode, sync_weights
+from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
+from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
 
 
 def make_engine(
@@ -74,10 +80,9 @@ def make_engine(
     r = cfg.rollout
     max_model_len = r.max_prompt_length + r.max_response_length + 8
     if r.engine == "embedded":
-        from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
-
         return EmbeddedEngine(hf_dir, dtype=getattr(torch, cfg.model.dtype), device=device)
     if r.engine == "vllm":
+        # vLLM and SGLang are optional installs: their engine modules load only when configured.
         from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -115,8 +120,6 @@ def make_engine(
 
 def this_rank_gpu(device: torch.device) -> Optional[RankGpu]:
     """Where this rank computes (node, the GPUs its process sees, its own); None off the GPU."""
-    import socket
-
     if device.type != "cuda":
         return None
     count = torch.cuda.device_count()
@@ -131,10 +134,6 @@ def engine_devices(placement: str, engine: str, rollout_tp: int, mine: RankGpu) 
     engine its shard belongs to); None on ranks that build none. A world collective: every rank
     passes its `RankGpu` (`this_rank_gpu`) and every rank checks the whole layout, so a layout that
     cannot work fails on every rank alike (`placement.PlacementError`)."""
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state as ps
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if ps.model_parallel_is_initialized():
         coordinates = (
@@ -159,11 +158,6 @@ def engine_devices(placement: str, engine: str, rollout_tp: int, mine: RankGpu) 
 
 def _leader_tp_group_hosts() -> list[str]:
     """Host names of the first pipeline stage's TP ranks of this replica (a model-parallel collective)."""
-    import socket
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
         return [socket.gethostname()]
     mine = (ps.get_pipeline_model_parallel_rank(), ps.get_context_parallel_rank(), socket.gethostname())
@@ -172,8 +166,6 @@ def _leader_tp_group_hosts() -> list[str]:
 
 
 def _actor_tp_group():
-    from megatron.core import parallel_state as ps
-
     return ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
@@ -217,8 +209,6 @@ class RolloutGroup:
         mine = this_rank_gpu(device)  # the same device type on every rank: all gather, or none
         devices = engine_devices(placement, r.engine, r.tp, mine) if mine is not None else None
         if placement == "spmd":
-            import torch.distributed as dist
-
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
             slot = SpmdSlot(rank, world, r.tp)
             engine = make_engine(cfg, hf_dir, device, placement="spmd", devices=devices)
@@ -276,8 +266,6 @@ class RolloutGroup:
         return sync_weights(models, hf_config, self.engine, bucket_mb=bucket_mb)
 
     def _decide_sync_mode(self) -> str:
-        from megatron.core import parallel_state as ps
-
         tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
         if self.spmd is not None:
             return choose_sync_mode(
@@ -287,10 +275,6 @@ class RolloutGroup:
 
     def _handover_target(self):
         """The first pipeline stage's `SharedMemoryHandover` (made once, collectively); None on later stages."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
-
         if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0):
             return None
         if self._handover is None:
@@ -299,8 +283,6 @@ class RolloutGroup:
 
     def _in_process_target(self):
         """This rank's `tp_shards.InProcessShardTarget` (made once; checks the TP groups coincide)."""
-        from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
-
         if self._shard_target is None:
             self._shard_target = InProcessShardTarget.create(self.engine, _actor_tp_group())
         return self._shard_target

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from megatron_dapo.config import Config, ConfigError, read_model_config
 from megatron_dapo.trainer.output_dir import check_output_dir, clear_previous_run
+from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.reward.loader import load_reward_function
 
 
 @dataclass
@@ -43,8 +45,6 @@ def preflight(
     `resume` not None: `trainer.output_dir` is checked for a previous run (`check_output_dir`).
     Raises `ConfigError` naming the key (or the file) to change.
     """
-    from megatron_dapo.distributed.layout import ParallelLayout
-
     check_reward_function(cfg)  # user code: the first thing that can fail, so it fails first
     hf_dir = cfg.model.hf_dir
     if not hf_dir:
@@ -78,6 +78,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_model_files(cfg: Config) -> None:
     """The tokenizer files are there, and the weights read at start (`model.hf_dir`'s safetensors,
     unless `model.megatron_checkpoint` replaces them) are complete by their headers."""
+    # `megatron-dapo config` runs these checks and must not load torch: megatron_dapo.model,
+    # distributed.setup / objects, checkpoint.core and transformers do, so they load on first use here.
     from megatron_dapo.model.hf_config import ModelFileError
     from megatron_dapo.model.hf_weights import check_weight_files
 
@@ -112,7 +114,6 @@ def check_reward_function(cfg: Config) -> None:
     custom = cfg.reward.custom_function
     if custom.path is None:
         return
-    from megatron_dapo.reward.loader import load_reward_function
 
     try:
         load_reward_function(custom.path, custom.name)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 
@@ -204,8 +205,6 @@ class EmbeddedEngine(RolloutEngine):
         if isinstance(hf_dir_or_model, torch.nn.Module):
             model = hf_dir_or_model
         else:
-            from transformers import AutoModelForCausalLM
-
             model = AutoModelForCausalLM.from_pretrained(str(hf_dir_or_model), dtype=dtype)
             if tokenizer is None:
                 tokenizer = _load_tokenizer_if_present(Path(hf_dir_or_model))
@@ -493,8 +492,6 @@ def sleep_moves_weights(device: torch.device) -> bool:
 
 def _new_cache(model: torch.nn.Module):
     """An empty dynamic KV cache laid out for `model` (sliding-window layers included)."""
-    from transformers import DynamicCache
-
     return DynamicCache(config=model.config)
 
 
@@ -502,6 +499,5 @@ def _load_tokenizer_if_present(hf_dir: Path):
     """The directory's tokenizer, or None when it has no tokenizer files."""
     if not any((hf_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(hf_dir))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.mapping import (
@@ -41,6 +43,7 @@ from megatron_dapo.model.mapping import (
 )
 from megatron_dapo.model.safetensors_format import tensor_nbytes
 from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes, bucket_stream
+from megatron_dapo.model.builder import layer_spec_of, unwrap_model
 
 __all__ = ["EngineShard", "engine_shards", "full_nbytes", "iter_engine_shards", "iter_weight_shard_buckets"]
 
@@ -133,11 +136,6 @@ def _owner_stage(row: Map, layer: Optional[int], num_layers: int, pp: int, vpp: 
 @torch.no_grad()
 def iter_engine_shards(models: Sequence[torch.nn.Module], hf_config) -> Iterator[EngineShard]:
     """This TP rank's `EngineShard`s of the whole model, in HF order, on every pipeline stage."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_dapo.model.builder import layer_spec_of, unwrap_model
-
     models = [unwrap_model(m) for m in models]
     table = mapping_for(hf_config)
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()

@@ -39,10 +39,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from megatron_dapo.rollout.sync.bucketing import reserve_file_space
 from megatron_dapo.rollout.sync.shards import EngineShard
 from megatron_dapo.model.safetensors_format import safetensors_header
+from megatron_dapo.distributed.objects import broadcast_object, gather_objects
 
 __all__ = [
     "SharedMemoryHandover",
@@ -100,8 +102,6 @@ def write_shards_into_bucket_file(path: Path, shards: Sequence[EngineShard], tp_
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of a safetensors file, read one at a time (in name order)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         for name in handle.keys():
             yield name, handle.get_tensor(name)
@@ -150,8 +150,6 @@ class SharedMemoryHandover:
     @classmethod
     def create(cls, engine: Any, group: Optional[dist.ProcessGroup]) -> "SharedMemoryHandover":
         """Collective over `group`: the owner (group rank 0) makes the directory, everyone learns it."""
-        from megatron_dapo.distributed.objects import broadcast_object
-
         group_rank = dist.get_rank(group)
         if engine is not None and group_rank != 0:
             raise ValueError(f"the engine must live on rank 0 of its TP group, not on group rank {group_rank}")
@@ -161,8 +159,6 @@ class SharedMemoryHandover:
 
     def load_weight_shards(self, shards: Iterable[EngineShard]) -> None:
         """Collective over the TP group: every rank writes its slices, the owner's engine takes the file."""
-        from megatron_dapo.distributed.objects import broadcast_object, gather_objects
-
         shards = list(shards)
         path = self.directory / f"bucket{self._count:06d}.safetensors"
         self._count += 1

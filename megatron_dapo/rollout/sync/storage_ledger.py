@@ -33,6 +33,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megatron_dapo.model import load
+from megatron_dapo.rollout.engines.vllm.worker import VLLMWorkerExtension
+from megatron_dapo.rollout.sync import shards
+
 __all__ = ["StorageLedger", "weight_path_ledger"]
 
 
@@ -164,10 +168,6 @@ def weight_path_ledger() -> Iterator[StorageLedger]:
     `model.load.export_megatron_to_hf`: the per-tensor transforms a push needs on any device) and,
     in this process, vLLM's loaders, layer-wise reload and commit (`VLLMWorkerExtension._mdapo_load`,
     `_mdapo_finish_weight_update`: the engine's own work on its parameters' device)."""
-    from megatron_dapo.model import load
-    from megatron_dapo.rollout.sync import shards
-    from megatron_dapo.rollout.engines.vllm.worker import VLLMWorkerExtension
-
     ledger = StorageLedger()
     with contextlib.ExitStack() as stack:
         stack.enter_context(ledger.pausing(shards, "iter_engine_shards", returns_iterator=True))

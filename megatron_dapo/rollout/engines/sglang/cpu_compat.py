@@ -40,6 +40,7 @@ load it by file path.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -127,8 +128,6 @@ def copy_all_layer_kv_cache_cpu(
 ) -> None:
     """For every K/V buffer b (base address data_ptrs[b], strides[b] bytes per slot row):
     buf_b[tgt_loc[i]] = buf_b[src_loc[i]], all sources read before any target is written."""
-    import ctypes
-
     if data_ptrs.dtype != torch.uint64 or strides.dtype != torch.int64 or tgt_loc.dtype != src_loc.dtype:
         raise RuntimeError("data_ptrs must be uint64, strides int64, tgt_loc / src_loc of one dtype")
     if tgt_loc.numel() != src_loc.numel():

@@ -78,20 +78,24 @@ tensors (`hf_tensors_from_sglang_shards`); meant for sync checks, not for every 
 
 from __future__ import annotations
 
+import json
 import os
-import sys
 import shutil
+import struct
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch
+from safetensors.torch import load_file
 
 from megatron_dapo.rollout.engines.process_state import temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, iter_buckets
 from megatron_dapo.doctor.versions import require as require_version
+from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 
 _INSTALL_HINT = (
     "the SGLang rollout engine needs SGLang: `pip install 'megatron-dapo[sglang]'` on a GPU machine, "
@@ -107,6 +111,7 @@ WEIGHT_LOAD_FORMATS = ("flattened_bucket", "tensors")
 
 def _graph_tags() -> list[str]:
     """SGLang's memory tag of CUDA-graph buffers, woken together with the KV cache."""
+    # SGLang is an optional install: its modules are imported inside the functions that use them.
     from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
 
     return [GPU_MEMORY_TYPE_CUDA_GRAPH]
@@ -365,10 +370,6 @@ class SGLangEngine(RolloutEngine):
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine's weights as full HF-named tensors (module doc); a whole-model copy, for checks."""
-        from safetensors.torch import load_file
-
-        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
-
         engine = self._awake_engine()
         self.commit_weights()
         directory = Path(tempfile.mkdtemp(prefix="megatron_dapo_sglang_export_", dir=shared_memory_root()))
@@ -530,9 +531,6 @@ _TIED = {"model.embed_tokens.weight": "lm_head.weight", "lm_head.weight": "model
 
 def hf_checkpoint_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of the safetensors files of an HF model directory (headers only)."""
-    import json
-    import struct
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with open(path, "rb") as handle:

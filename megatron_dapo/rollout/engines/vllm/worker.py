@@ -37,8 +37,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from safetensors import safe_open
 
 from megatron_dapo.rollout.sync.bucketing import write_safetensors
+
+# vLLM is an optional install and this module is also imported where it is absent (the trainer names
+# the class to vLLM): vLLM's modules are imported inside the methods, which run in vLLM's workers.
 
 # Rows of the identity fed at once when reading a packed CPU linear weight back (bounds memory).
 _IDENTITY_CHUNK = 1024
@@ -90,8 +94,6 @@ class VLLMWorkerExtension:
         On an error the session is closed at once (layers not yet complete keep their old weights,
         partly loaded ones are undefined) so that the engine stays usable, and the error is reported.
         """
-        from safetensors import safe_open
-
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
