@@ -23,4 +23,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(["plan", *sys.argv[1:]]))
+    sys.exit(main())
