@@ -18,7 +18,6 @@ from megatron_dapo.tracking.loggers import (
 )
 from megatron_dapo.tracking.progress import ProgressBar
 from megatron_dapo.tracking.timer import PhaseTimer
-from megatron_dapo.tracking.plot import plot_metrics
 
 __all__ = [
     "BACKENDS",
@@ -36,5 +35,9 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "plot_metrics":
+        # Imported on first use, not at package import: `python -m megatron_dapo.tracking.plot`
+        # must find the module absent from sys.modules, or it runs twice (RuntimeWarning).
+        from megatron_dapo.tracking.plot import plot_metrics
+
         return plot_metrics
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
