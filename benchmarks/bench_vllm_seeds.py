@@ -41,7 +41,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from megatron_dapo.distributed.setup import find_free_port
+    from megatron_dapo.distributed.launch import find_free_port
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
     from tiny_models import save_tiny_model

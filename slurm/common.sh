@@ -10,7 +10,7 @@
 # Rendezvous: every task runs the same `megatron-dapo train`; init_distributed() reads its rank
 # from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and meets the others at MASTER_ADDR:MASTER_PORT,
 # exported here as the first host of the allocation and a port derived from the job id (the same
-# formula as megatron_dapo.distributed.setup.slurm_master_port, so a task that lost the variable
+# formula as megatron_dapo.distributed.launch.slurm_master_port, so a task that lost the variable
 # would still agree). Export MASTER_PORT before sbatch to choose it yourself.
 #
 # Pre-flight: before the trainer, `megatron-dapo doctor` runs once per task (versions, GPUs per task,

@@ -96,7 +96,7 @@ def _val_accuracy(metrics_file: Path) -> list[tuple[int, float]]:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
-    from megatron_dapo.distributed.setup import resolve_launch_env
+    from megatron_dapo.distributed.launch import resolve_launch_env
     from megatron_dapo.trainer.loop import train
     from megatron_dapo.trainer.sft import run_sft
 

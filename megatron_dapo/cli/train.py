@@ -124,13 +124,18 @@ def _close_process_groups() -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
     from megatron_dapo.checkpoint.disk_full import stop_on_full_disk
-    from megatron_dapo.trainer.loop import train
+    from megatron_dapo.trainer.startup import launch_world_size, preflight
 
     def job() -> None:
         resolve_config_argument(args)
         cfg = load_config(args.config, args.overrides)
+        # Every check that needs no model runs before the trainer is imported: it loads torch,
+        # Megatron and transformers (~10 s on a laptop), which a refused config never needs.
+        layout_text = preflight(cfg, launch_world_size(), resume=args.resume, overwrite=args.overwrite)
+        from megatron_dapo.trainer.loop import train
+
         with stop_on_full_disk(cfg.trainer.output_dir):
-            train(cfg, resume=args.resume, overwrite=args.overwrite)
+            train(cfg, resume=args.resume, overwrite=args.overwrite, layout_text=layout_text)
 
     return guarded(job)
 

@@ -12,13 +12,13 @@ from typing import Any
 
 _HOMES = {
     "DistributedContext": "setup",
-    "LaunchEnv": "setup",
+    "LaunchEnv": "launch",
     "ParallelLayout": "layout",
     "cpu_compat_enabled": "cpu_compat",
     "enable_cpu_compat": "cpu_compat",
     "init_distributed": "setup",
-    "parse_slurm_hostlist": "setup",
-    "resolve_launch_env": "setup",
+    "parse_slurm_hostlist": "launch",
+    "resolve_launch_env": "launch",
     "teardown": "setup",
 }
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.distributed.setup import resolve_launch_env
+from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.socket_interfaces import choose_interface, interface_addresses, resolve_ipv4, route_source
 from megatron_dapo.doctor.checks import (
     FAIL,

@@ -18,12 +18,14 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Union
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from megatron_dapo.model.hf_config import ModelFileError
+
+if TYPE_CHECKING:  # torch loads with the first tensor read: the header checks of the pre-flight need none
+    import torch
 
 __all__ = ["HFWeightReader", "check_safetensors_file", "check_weight_files", "open_safetensors"]
 

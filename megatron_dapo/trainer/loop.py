@@ -235,12 +235,17 @@ class DAPOTrainer:
         self.rollout.shutdown()
 
 
-def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, say=print) -> dict[str, float]:
+def train(
+    cfg: Config, *, resume: bool = False, overwrite: bool = False, say=print, layout_text: Optional[str] = None
+) -> dict[str, float]:
     """Run DAPO training as configured (every rank calls it); returns the last step's metrics.
 
     A non-empty `trainer.output_dir` needs `resume` (continue the run there) or `overwrite` (delete
-    that run's checkpoints and logs first); see `output_dir.check_output_dir`."""
-    runtime = start(cfg, say=say, resume=resume, overwrite=overwrite, reference=cfg.algorithm.kl.use_kl_loss)
+    that run's checkpoints and logs first); see `output_dir.check_output_dir`. `layout_text`: the
+    caller ran `startup.preflight` already (see `startup.start`)."""
+    runtime = start(
+        cfg, say=say, resume=resume, overwrite=overwrite, reference=cfg.algorithm.kl.use_kl_loss, layout_text=layout_text
+    )
     if is_logging_rank():
         write_resolved_config(cfg, runtime.output_dir)
     trainer = DAPOTrainer(cfg, runtime, resume=resume, say=say)

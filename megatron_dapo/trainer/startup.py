@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from megatron_dapo.config import Config, ConfigError, read_model_config
 from megatron_dapo.trainer.output_dir import check_output_dir, clear_previous_run
+from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.reward.loader import load_reward_function
 
@@ -123,20 +124,20 @@ def check_reward_function(cfg: Config) -> None:
 
 def launch_world_size() -> int:
     """The number of processes this job was launched with (torchrun, srun or a single process)."""
-    from megatron_dapo.distributed.setup import resolve_launch_env
-
     return resolve_launch_env(os.environ, free_port=0).world_size
 
 
 def start(
     cfg: Config, *, needs_data: bool = True, reference: bool = False, say=print, resume: Optional[bool] = None,
-    overwrite: bool = False,
+    overwrite: bool = False, layout_text: Optional[str] = None,
 ) -> Runtime:
     """Pre-flight, then process groups, tokenizer and the loaded model chunks.
 
     `reference`: also load a second copy of the starting weights, for the frozen KL reference.
     `resume` / `overwrite`: the policy for a previous run in `trainer.output_dir` (`check_output_dir`;
     None: no check); with `overwrite` rank 0 deletes that run's files once every rank passed the checks.
+    `layout_text`: what `preflight` returned when the caller already ran it with these arguments
+    (`megatron-dapo train` does, before it imports the trainer); None runs it here.
     """
     from transformers import AutoTokenizer
 
@@ -145,7 +146,8 @@ def start(
     from megatron_dapo.model.hf_config import read_hf_config
 
     world_size = launch_world_size()
-    layout_text = preflight(cfg, world_size, needs_data=needs_data, resume=resume, overwrite=overwrite)
+    if layout_text is None:
+        layout_text = preflight(cfg, world_size, needs_data=needs_data, resume=resume, overwrite=overwrite)
     ctx = init_distributed(
         cfg.parallel, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed, gather_timeout_s=cfg.rollout.gather_timeout_s
     )

@@ -36,6 +36,23 @@ def test_help_imports_no_torch():
     assert out.stdout.strip() == "[]", out.stdout[-2000:]
 
 
+def test_train_refused_by_the_pre_flight_imports_no_torch(tmp_path):
+    """A config or model directory the pre-flight refuses costs a fraction of a second: `train` checks
+    before it imports the trainer (torch, Megatron, transformers: ~10 s here)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": [')
+    probe = (
+        "import sys\n"
+        "from megatron_dapo.cli.main import main\n"
+        f"code = main(['train', 'configs/tiny_cpu.yaml', 'model.hf_dir={model}', 'trainer.output_dir={tmp_path / 'run'}'])\n"
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'megatron')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "config.json is not valid JSON" in out.stderr, out.stderr[-2000:]
+    assert out.stdout.strip() == "2 []", out.stdout[-2000:]
+
+
 def test_config_command_prints_resolved_config_or_error():
     out = run_cli("config", "configs/tiny_cpu.yaml", "rollout.n=4")
     assert out.returncode == 0, out.stderr

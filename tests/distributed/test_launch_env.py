@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.distributed.setup import parse_slurm_hostlist, resolve_launch_env, slurm_master_port
+from megatron_dapo.distributed.launch import parse_slurm_hostlist, resolve_launch_env, slurm_master_port
 
 
 @pytest.mark.parametrize(

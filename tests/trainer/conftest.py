@@ -51,7 +51,7 @@ def workspace_overrides(paths: dict[str, Path], output_dir: Path) -> list[str]:
 def cli(*args: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_dapo.cli", *args]
-    from megatron_dapo.distributed.setup import find_free_port
+    from megatron_dapo.distributed.launch import find_free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
             "--master_port", str(find_free_port()), "-m", "megatron_dapo.cli", *args]  # fmt: skip
