@@ -266,7 +266,7 @@ def test_the_fake_has_the_tested_release_signatures(require_sglang):
     server_args = inspect.signature(ServerArgs).parameters
     for name in ("model_path", "tp_size", "dtype", "mem_fraction_static", "random_seed", "enable_memory_saver",
                  "base_gpu_id", "gpu_id_step", "context_length", "log_level", "attention_backend",
-                 "enable_weights_cpu_backup", "device", "disable_cuda_graph", "skip_server_warmup", "max_total_tokens"):  # fmt: skip
+                 "enable_weights_cpu_backup", "device", "disable_cuda_graph", "skip_server_warmup", "max_total_tokens", "sleep_on_idle"):  # fmt: skip
         assert name in server_args, name
     assert accepts(Engine.generate, "input_ids", "sampling_params", "return_logprob")
     assert accepts(Engine.begin_weight_update, "selector") and accepts(Engine.end_weight_update)

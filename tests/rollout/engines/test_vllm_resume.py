@@ -18,11 +18,12 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, run_cli, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, workspace_overrides
 
 VLLM = ["rollout.engine=vllm", "trainer.total_steps=3"]
 
@@ -42,11 +43,59 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
+def _popen(args: list[str], cpu: int, **kwargs) -> subprocess.Popen:
+    """`megatron-dapo <args>` on one CPU with one OpenMP thread: the uninterrupted and the stopped run
+    start together, one per core (a vLLM run keeps about one core busy, most of it start-up), and the
+    runs compared (the resume included) compute with the same thread count."""
+    proc = subprocess.Popen(cli(*args), cwd=Path(CONFIG).parents[1], text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **kwargs)  # fmt: skip
+    os.sched_setaffinity(proc.pid, {cpu})  # before Python has started a thread or a process (inherited)
+    return proc
+
+
+def _run(args: list[str], cpu: int) -> subprocess.CompletedProcess:
+    proc = _popen(args, cpu, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = proc.communicate(timeout=900)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _run_stopped_after_step_1(args: list[str], output_dir: Path, cpu: int) -> subprocess.CompletedProcess:
+    """The run, sent SIGTERM (SLURM preemption) once its metrics hold step 1; stdout and stderr together."""
+    proc = _popen(args, cpu, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics_file = output_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics_file.exists() and any(json.loads(l)["step"] == 1 for l in metrics_file.read_text().splitlines() if l.strip()):
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    output, _ = proc.communicate(timeout=900)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+
+
+def _train_args(workspace, output_dir: Path) -> list[str]:
+    return ["train", "--config", str(CONFIG), *FAST, *VLLM, *workspace_overrides(workspace, output_dir)]
+
+
+CPUS = sorted(os.sched_getaffinity(0))
+
+
 @pytest.fixture(scope="module")
-def straight(workspace, tmp_path_factory, require_vllm) -> Path:
+def runs(workspace, tmp_path_factory, require_vllm) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Three uninterrupted steps, and the same run stopped after step 1, at once on two CPUs:
+    name -> (output directory, process)."""
+    root = tmp_path_factory.mktemp("vllm-resume")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        straight = pool.submit(_run, _train_args(workspace, root / "straight"), CPUS[0])
+        stopped = pool.submit(_run_stopped_after_step_1, _train_args(workspace, root / "stopped"), root / "stopped", CPUS[-1])
+    return {"straight": (root / "straight", straight.result()), "stopped": (root / "stopped", stopped.result())}
+
+
+@pytest.fixture(scope="module")
+def straight(runs) -> Path:
     """Three uninterrupted steps (the output directory)."""
-    out = tmp_path_factory.mktemp("vllm-straight") / "run"
-    _ok(run_cli("train", "--config", str(CONFIG), *FAST, *VLLM, *workspace_overrides(workspace, out), timeout=900))
+    out, proc = runs["straight"]
+    _ok(proc)
     return out
 
 
@@ -61,27 +110,16 @@ def test_vllm_engine_trains_with_weight_sync_every_step(straight):
         assert metrics[step]["weight_sync/seconds"] > 0
 
 
-def test_sigterm_then_resume_equals_uninterrupted_with_vllm(workspace, straight, tmp_path):
+def test_sigterm_then_resume_equals_uninterrupted_with_vllm(workspace, runs, straight):
     reference = read_metrics(straight)
     assert sorted(reference) == [1, 2, 3]
 
-    stopped = tmp_path / "stopped"
-    args = ["train", "--config", str(CONFIG), *FAST, *VLLM, *workspace_overrides(workspace, stopped)]
-    proc = subprocess.Popen(cli(*args), cwd=Path(CONFIG).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    metrics_file = stopped / "metrics.jsonl"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics_file.exists() and any(json.loads(l)["step"] == 1 for l in metrics_file.read_text().splitlines() if l.strip()):
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.2)
-    output, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 143, output[-4000:]
+    stopped, proc = runs["stopped"]
+    assert proc.returncode == 143, proc.stdout[-4000:]
     stopped_at = int((stopped / "checkpoints" / "latest").read_text().strip().split("_")[-1])
     assert stopped_at in (1, 2), stopped_at  # the signal lands during step 1's logging or step 2
 
-    _ok(run_cli(*args, "--resume", timeout=900))
+    _ok(_run([*_train_args(workspace, stopped), "--resume"], CPUS[0]))
     resumed = read_metrics(stopped)
     assert sorted(resumed) == [1, 2, 3]
     for step in range(stopped_at + 1, 4):

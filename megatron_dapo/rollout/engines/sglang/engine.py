@@ -133,6 +133,7 @@ def cpu_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         "disable_cuda_graph": True,
         "skip_server_warmup": True,
         "max_total_tokens": CPU_MAX_TOTAL_TOKENS,
+        "sleep_on_idle": True,  # else the idle scheduler spins a core at 100% (the actor's, while it trains)
         **engine_kwargs,
     }
 
