@@ -36,7 +36,7 @@ from megatron_dapo.distributed.layout import (
     check_world_size,
 )
 from megatron_dapo.errors import InputError
-from megatron_dapo.rollout.placement import PlacementError, resolve_placement
+from megatron_dapo.rollout.placement import PlacementError, check_sync_mode, resolve_placement
 
 __all__ = [
     "ActorConfig",
@@ -616,17 +616,7 @@ def validate(cfg: Config) -> None:
     _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
     _require(r.sleep_level in (1, 2), f"'rollout.sleep_level' must be 1 or 2, got {r.sleep_level}")
     with _config_errors():
-        spmd = resolve_placement(r.placement, r.engine) == "spmd"
-    _require(
-        r.weight_sync_mode != "tp_shards" or (spmd and r.tp == p.tp),
-        f"'rollout.weight_sync_mode'=tp_shards needs the spmd placement (rollout.engine=vllm, rollout.placement "
-        f"auto or spmd) and rollout.tp = parallel.tp (got {r.tp} and {p.tp}): use auto or gather",
-    )
-    _require(
-        r.weight_sync_mode != "shared_memory" or not spmd,
-        "'rollout.weight_sync_mode'=shared_memory is for rollout.placement=leader (the spmd engine is in-process): "
-        "use auto, gather or tp_shards, or set rollout.placement=leader",
-    )
+        check_sync_mode(r.weight_sync_mode, resolve_placement(r.placement, r.engine), p.tp, r.tp)
 
     _require(cfg.sft.total_steps >= 0, f"'sft.total_steps' must be >= 0, got {cfg.sft.total_steps}")
     _require(cfg.sft.batch_size >= 1, f"'sft.batch_size' must be >= 1, got {cfg.sft.batch_size}")

@@ -35,6 +35,8 @@ from megatron_dapo.errors import InputError
 
 PLACEMENT_CHOICES = ("auto", "spmd", "leader")
 SPMD_ENGINES = ("vllm",)
+SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
+"""`rollout.weight_sync_mode` values (`rollout.sync.dispatch.choose_sync_mode` picks for "auto")."""
 
 
 class PlacementError(InputError, ValueError):
@@ -53,6 +55,29 @@ def resolve_placement(requested: str, engine: str) -> str:
             "use placement auto or leader"
         )
     return requested
+
+
+def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Optional[int]) -> None:
+    """The rules between `rollout.weight_sync_mode` and the placement, which need no host names:
+    `PlacementError` naming the keys for a mode the placement cannot use. One home for them: the
+    config checks them at load and `choose_sync_mode` again where it decides."""
+    if requested not in SYNC_MODES:
+        raise PlacementError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
+    if placement == "spmd":
+        if requested == "shared_memory":
+            raise PlacementError(
+                "rollout.weight_sync_mode=shared_memory is for rollout.placement=leader (the spmd engine is in-process): "
+                "use auto, gather or tp_shards, or set rollout.placement=leader"
+            )
+        if requested == "tp_shards" and rollout_tp != tp_size:
+            raise PlacementError(
+                f"rollout.weight_sync_mode=tp_shards needs rollout.tp = parallel.tp (got {rollout_tp} and {tp_size}): use auto or gather"
+            )
+    elif requested == "tp_shards":
+        raise PlacementError(
+            "rollout.weight_sync_mode=tp_shards needs the spmd placement (rollout.engine=vllm, rollout.placement auto or spmd): "
+            "use auto, gather or shared_memory"
+        )
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,13 @@ from typing import Any, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
+from megatron_dapo.rollout.placement import SYNC_MODES, check_sync_mode
 from megatron_dapo.rollout.sync import gather, shards
 from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, MIB, bucket_limit_bytes, bucket_stream, tensor_item_nbytes
 from megatron_dapo.rollout.sync.shards import EngineShard
 
 __all__ = ["SYNC_MODES", "ShardLoadingEngine", "SyncStats", "choose_sync_mode", "sync_weights"]
 
-SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
 """The values of `rollout.weight_sync_mode`."""
 
 
@@ -57,24 +57,16 @@ def choose_sync_mode(
 
     `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
     (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises ValueError for a
-    mode the placement cannot use. "auto": spmd -> tp_shards when rollout TP = actor TP > 1, else
+    mode the placement cannot use (`PlacementError`, a ValueError). "auto": spmd -> tp_shards when rollout TP = actor TP > 1, else
     gather; leader -> shared_memory when the actor's TP > 1 and the leader's TP group shares a node,
     except for the embedded engine on a GPU (there the NCCL gather lands directly in GPU memory,
     while the file path would go through host memory); otherwise gather.
     """
-    if requested not in SYNC_MODES:
-        raise ValueError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
+    check_sync_mode(requested, placement, tp_size, rollout_tp)
     if placement == "spmd":
-        same_tp = rollout_tp == tp_size
-        if requested == "shared_memory":
-            raise ValueError("rollout.weight_sync_mode=shared_memory is for rollout.placement=leader; with spmd use auto, gather or tp_shards")
-        if requested == "tp_shards" and not same_tp:
-            raise ValueError(f"rollout.weight_sync_mode=tp_shards needs rollout.tp = parallel.tp (got {rollout_tp} and {tp_size}): use auto or gather")
         if requested == "auto":
-            return "tp_shards" if same_tp and tp_size > 1 else "gather"
+            return "tp_shards" if rollout_tp == tp_size > 1 else "gather"
         return requested
-    if requested == "tp_shards":
-        raise ValueError("rollout.weight_sync_mode=tp_shards needs rollout.placement=spmd (vLLM): use auto, gather or shared_memory")
     one_node = len(set(tp_group_hosts)) <= 1
     if requested == "gather":
         return "gather"

@@ -75,7 +75,7 @@ def test_sync_mode_per_placement():
         choose_sync_mode("tp_shards", 2, [], "vllm", "cpu", rollout_tp=4, **spmd)
     with pytest.raises(ValueError, match="shared_memory is for rollout.placement=leader"):
         choose_sync_mode("shared_memory", 2, [], "vllm", "cpu", rollout_tp=2, **spmd)
-    with pytest.raises(ValueError, match="tp_shards needs rollout.placement=spmd"):
+    with pytest.raises(ValueError, match="tp_shards needs the spmd placement"):
         choose_sync_mode("tp_shards", 2, ["a", "a"], "vllm", "cpu")
     assert choose_sync_mode("auto", 2, ["a", "a"], "vllm", "cpu") == "shared_memory"
 
@@ -95,6 +95,7 @@ def test_config_validates_placement_sleep_level_and_sync_mode():
         (dict(engine="sglang", placement="spmd"), "'rollout.placement'=spmd needs rollout.engine=vllm"),
         (dict(engine="vllm", weight_sync_mode="shared_memory"), "shared_memory is for rollout.placement=leader"),
         (dict(engine="vllm", placement="leader", weight_sync_mode="tp_shards"), "tp_shards needs the spmd placement"),
+        (dict(engine="vllm", tp=2, weight_sync_mode="tp_shards"), r"tp_shards needs rollout.tp = parallel.tp \(got 2 and 1\)"),
     ):
         with pytest.raises(ConfigError, match=match):
             check(**bad)
