@@ -38,8 +38,11 @@ __all__ = [
 
 def __getattr__(name: str):
     # core imports torch and torch_dist imports Megatron: load them on first use only.
-    if name in ("CheckpointCorruptError", "CheckpointError", "LoadedCheckpoint", "NoIntactCheckpointError",
-                "load_checkpoint", "load_latest_checkpoint", "save_checkpoint"):  # fmt: skip
+    if name in ("CheckpointCorruptError", "CheckpointError", "NoIntactCheckpointError"):
+        from megatron_dapo.checkpoint import errors
+
+        return getattr(errors, name)
+    if name in ("LoadedCheckpoint", "load_checkpoint", "load_latest_checkpoint", "save_checkpoint"):
         from megatron_dapo.checkpoint import core
 
         return getattr(core, name)

@@ -81,7 +81,7 @@ from megatron_dapo.checkpoint.optimizer_state import (
     optimizer_kind,
     sharding_metadata,
 )
-from megatron_dapo.errors import StopError
+from megatron_dapo.checkpoint.errors import CheckpointCorruptError, CheckpointError, NoIntactCheckpointError
 import megatron_dapo
 from megatron_dapo.checkpoint.layout import list_checkpoints
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -116,21 +116,6 @@ FORMAT_VERSION = 2
 contents.optimizer_sharding; version 1 checkpoints (no checksums, fully_reshardable) still load."""
 
 PathLike = Union[str, os.PathLike]
-
-
-class CheckpointError(StopError, RuntimeError):
-    """A save or load step failed (on this rank or another one)."""
-
-
-class CheckpointCorruptError(CheckpointError, FileNotFoundError):
-    """A checkpoint's files are missing, cut short or differ from their checksums.
-
-    Also a FileNotFoundError (no usable checkpoint where one was named), which the command line
-    reports in one line."""
-
-
-class NoIntactCheckpointError(CheckpointCorruptError):
-    """Resuming found checkpoints, but every one of them is damaged (the message lists why)."""
 
 
 @dataclass

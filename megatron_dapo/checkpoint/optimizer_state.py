@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_dapo.checkpoint.errors import CheckpointError
+
 __all__ = [
     "OPTIMIZER_FORMATS",
     "bucket_layout",
@@ -62,9 +64,6 @@ def optimizer_kind(optimizer: Any) -> str:
     """"distributed" (ZeRO-1 DistributedOptimizer) or "local" (each DP rank holds the full state)."""
     kinds = {"distributed" if isinstance(o, DistributedOptimizer) else "local" for o in inner_optimizers(optimizer)}
     if len(kinds) != 1:
-        # checkpoint.core imports this module (optimizer formats) and defines CheckpointError: a cycle.
-        from megatron_dapo.checkpoint.core import CheckpointError
-
         raise CheckpointError(f"mixed optimizer kinds {sorted(kinds)} are not supported by checkpointing")
     return kinds.pop()
 
@@ -149,7 +148,6 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
     split the two halves and hide "step" during the copy (under no_grad); with Apex / TE optimizers
     there is no per-parameter step and this is the plain call.
     """
-    from megatron_dapo.checkpoint.core import CheckpointError  # cycle: see optimizer_kind
 
     inner = inner_optimizers(optimizer)
     parts = [state_dict] if len(inner) == 1 else [state_dict[k] for k in sorted(state_dict)]

@@ -95,7 +95,7 @@ def test_describe_an_os_error_without_errno_noise():
 def _library_errors() -> dict[type, int]:
     from megatron_dapo.algorithm.sampling import DynamicSamplingExhausted
     from megatron_dapo.checkpoint.conversion import ConversionError, ConversionWriteError
-    from megatron_dapo.checkpoint.core import CheckpointCorruptError, CheckpointError, NoIntactCheckpointError
+    from megatron_dapo.checkpoint.errors import CheckpointCorruptError, CheckpointError, NoIntactCheckpointError
     from megatron_dapo.config import ConfigError
     from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.doctor.preflight import LaunchEnvironmentError
@@ -118,7 +118,7 @@ def test_library_errors_carry_their_kind():
     for cls, code in _library_errors().items():
         kind = StopError if code == EXIT_FAILURE else InputError
         assert issubclass(cls, kind) and not (kind is InputError and issubclass(cls, StopError)), cls.__name__
-    from megatron_dapo.checkpoint.core import NoIntactCheckpointError
+    from megatron_dapo.checkpoint.errors import NoIntactCheckpointError
     from megatron_dapo.config import ConfigError
     from megatron_dapo.checkpoint.disk_full import DiskFullError
 

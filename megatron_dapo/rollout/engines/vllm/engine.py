@@ -77,7 +77,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
-from megatron_dapo.rollout.sync.bucketing import bucket_device, iter_buckets, write_safetensors
+from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_device, iter_buckets, write_safetensors
 from megatron_dapo.rollout.engines.vllm.io import collect_outputs, vllm_sampling_kwargs
 from megatron_dapo.doctor.versions import require as require_version
 from megatron_dapo.rollout.engines.vllm.launch import (
@@ -100,8 +100,6 @@ _INSTALL_HINT = (
 WORKER_EXTENSION = "megatron_dapo.rollout.engines.vllm.worker.VLLMWorkerExtension"
 
 PLACEMENTS = ("leader", "spmd")
-
-_DEFAULT_BUCKET_MB = 512
 
 
 def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
@@ -167,7 +165,7 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         enable_sleep_mode: Optional[bool] = None,
         enforce_eager: bool = False,
-        weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
+        weight_bucket_mb: float = DEFAULT_BUCKET_MB,
         placement: str = "leader",
         visible_devices: Optional[str] = None,
         **engine_kwargs: Any,
