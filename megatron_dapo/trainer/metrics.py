@@ -19,12 +19,14 @@ Names follow verl's where verl has one, so that dashboards and the paper's curve
     perf/tokens_per_s                  prompt + response tokens of the train batch per second of the step
     val/acc/mean@n, val/pass@k, val/maj@n, val/score/mean, val/response_length/{mean,clip_ratio},
     val/num_prompts                    validation
+    sft/{loss,grad_norm,lr,tokens,perplexity}   the warm start (`megatron-dapo sft`)
 
 `tracking` (console table, progress bar, plot) groups and picks metrics by these names.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -68,6 +70,13 @@ _ACTOR_NAMES = {
 }
 # verl logs pass@k for these k below n (and n itself).
 _PASS_AT_K = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def sft_metrics(update: dict[str, float]) -> dict[str, float]:
+    """The warm start's metrics of one step, from the actor's update statistics."""
+    record = {f"sft/{key}": update[key] for key in ("loss", "grad_norm", "lr", "tokens")}
+    record["sft/perplexity"] = math.exp(min(update["loss"], 700.0))  # exp overflows a float above ~709
+    return record
 
 
 def is_wall_clock(name: str) -> bool:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 from megatron_dapo.actor import PolicyBatch, build_actor
 from megatron_dapo.checkpoint import save_checkpoint
@@ -26,6 +25,7 @@ from megatron_dapo.data.sampler import PromptSampler, shard_for_rank
 from megatron_dapo.distributed.objects import any_rank, data_parallel_rank_and_size, is_logging_rank
 from megatron_dapo.distributed.setup import teardown
 from megatron_dapo.tracking import MetricsLogger, ProgressBar
+from megatron_dapo.trainer.metrics import sft_metrics
 from megatron_dapo.trainer.startup import start
 
 
@@ -119,9 +119,7 @@ def run_sft(cfg: Config, say=print, keep_process_group: bool = False) -> Path:
                     batch = PolicyBatch.from_token_lists(
                         [e.prompt_ids for e in chosen], [e.response_ids for e in chosen], pad_token_id=tokenizer.pad_token_id
                     )
-                    metrics = actor.update([batch])
-                    record = {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"], "sft/lr": metrics["lr"],
-                              "sft/tokens": metrics["tokens"], "sft/perplexity": float(torch.exp(torch.tensor(metrics["loss"])))}  # fmt: skip
+                    record = sft_metrics(actor.update([batch]))
                     logger.log(record, step=step)
                     progress.update(step, record)
                     if any_rank(stop["requested"]):

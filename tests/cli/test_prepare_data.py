@@ -14,19 +14,12 @@ import pytest
 from megatron_dapo.data.arithmetic import build_tokenizer
 from megatron_dapo.data.dataset import DatasetError, PromptDataset
 from megatron_dapo.data.prepare import DAPO_INSTRUCTION_PREFIX, DAPO_INSTRUCTION_SUFFIX, read_records
+from tests.data.test_prepare import QUESTIONS  # the library tests' questions, here through the command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("prepare_data_script", REPO_ROOT / "tools" / "prepare_data.py")
 prepare_data = importlib.util.module_from_spec(_spec)  # tools/prepare_data.py, the plain script
 _spec.loader.exec_module(prepare_data)
-
-QUESTIONS = [
-    {"question": "What is the smallest prime?", "answer": "2"},
-    {"question": "How many sides has a hexagon?", "answer": 6, "source": "ignored"},
-    {"question": "Compute 3^3.", "answer": "27"},
-    {"question": "What is 10 / 4?", "answer": "\\frac{5}{2}"},
-    {"question": "What is 9 - 10?", "answer": "-1"},
-]
 
 
 @pytest.fixture(scope="module")

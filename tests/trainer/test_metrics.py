@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -78,3 +80,10 @@ def test_wall_clock_names_are_the_ones_that_may_differ_between_equal_runs():
     with timer.phase(metrics.Phase.GEN):
         pass
     assert list(timer.metrics()) == ["timing_s/gen"]
+
+
+def test_sft_metrics_names_and_perplexity():
+    record = metrics.sft_metrics({"loss": 2.0, "grad_norm": 0.5, "lr": 1e-5, "tokens": 96.0, "clipfrac": 0.0})
+    assert sorted(record) == ["sft/grad_norm", "sft/loss", "sft/lr", "sft/perplexity", "sft/tokens"]
+    assert record["sft/perplexity"] == pytest.approx(7.389056, rel=1e-6) and record["sft/tokens"] == 96.0
+    assert math.isfinite(metrics.sft_metrics({"loss": 1e4, "grad_norm": 0.0, "lr": 0.0, "tokens": 1.0})["sft/perplexity"])
