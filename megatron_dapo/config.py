@@ -80,6 +80,11 @@ class ParallelConfig:
     the CP a sequence length needs."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside TP groups."""
+    ep: int = 1
+    """Expert-parallel size of mixture-of-experts models: each MoE layer's experts are split over `ep`
+    ranks (E / ep each), which exchange tokens with an all-to-all, so a model whose experts do not fit
+    one GPU's memory trains without splitting every expert by TP. Must divide the number of experts
+    and DP x CP. 1 (default): every rank holds all experts, the only value for dense models."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     dp: Optional[int] = field(default=None, metadata={"derived": True})
