@@ -273,6 +273,16 @@ def check_expert_dispatcher(dispatcher: str, pp: int = 1) -> None:
         )
 
 
+def check_moe_sequence_parallel(tp: int, sequence_parallel: bool) -> None:
+    """MoE training with TP > 1 needs sequence parallelism: Megatron's MoE layer refuses to train
+    without it (each TP rank would route and dispatch every token of the sequence again)."""
+    if tp > 1 and not sequence_parallel:
+        raise ExpertParallelError(
+            f"training a mixture-of-experts model at parallel.tp={tp} needs sequence parallelism: "
+            "set parallel.sequence_parallel=true"
+        )
+
+
 def validate_expert_parallel(
     ep: int,
     *,
@@ -282,17 +292,21 @@ def validate_expert_parallel(
     pp: int = 1,
     cp: int = 1,
     dispatcher: Optional[str] = None,
+    sequence_parallel: Optional[bool] = None,
 ) -> None:
     """Every expert-parallel rule that the given facts allow to check (None: not known yet).
 
     At launch the world size is known, once the HF config is read the number of experts (0 for a
-    dense model, which then needs parallel.ep=1).
+    dense model, which then needs parallel.ep=1); `sequence_parallel` is checked for training an
+    MoE model.
     """
     experts_per_rank(num_experts if num_experts is not None else ep, ep)
     if world_size is not None:
         expert_data_parallel_size(world_size, ep, tp, pp, cp)
     if dispatcher is not None:
         check_expert_dispatcher(dispatcher, pp)
+    if sequence_parallel is not None and num_experts:
+        check_moe_sequence_parallel(tp, sequence_parallel)
 
 
 def expert_groups(layout: "ParallelLayout", ep: int, kind: str) -> list[list[int]]:

@@ -305,10 +305,8 @@ def _moe_norm_checkpoint_key(spec):
     `linear_fc1` and TE's MoE spec keeps `pre_mlp_layernorm.weight`; without the rename the local
     spec writes that key too, and a checkpoint converted or trained on the CPU loads on TE GPUs.
     """
-    import dataclasses as dc
-
     keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
-    return dc.replace(spec, submodules=dc.replace(spec.submodules, sharded_state_dict_keys_map=keys))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
 
 
 def build_gpt_models(

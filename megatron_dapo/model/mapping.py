@@ -281,6 +281,8 @@ class Map:
             present = [placeholder in n for n in names]
             if any(present) and not all(present):
                 raise ValueError(f"row {self.megatron}: '{placeholder}' must appear in all names or none")
+        if self.per_expert and not self.per_layer:
+            raise ValueError(f"row {self.megatron}: a per-expert row ('{{e}}') must be per layer ('{{i}}')")
         if self.expert is not None and not self.per_expert:
             raise ValueError(f"row {self.megatron} is not per expert and cannot be bound to expert {self.expert}")
 
@@ -343,7 +345,7 @@ class MappingTable:
     rows: tuple[Map, ...]
     tie_word_embeddings: bool
     num_experts: int = 0
-    """Experts per MoE layer (0: dense); `rows` holds one bound row per expert and per-expert template row."""
+    """Experts per MoE layer (0: dense); `rows` holds each per-expert template row bound to every expert."""
 
     def __post_init__(self) -> None:
         unbound = [r.megatron for r in self.rows if r.per_expert and r.expert is None]

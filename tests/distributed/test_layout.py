@@ -109,6 +109,7 @@ def test_from_config_reads_parallel_section():
 from megatron_dapo.distributed.layout import (  # noqa: E402  (this block's own imports)
     ExpertParallelError,
     check_expert_dispatcher,
+    check_moe_sequence_parallel,
     expert_data_parallel_size,
     expert_groups,
     experts_per_rank,
@@ -174,6 +175,19 @@ def test_validate_expert_parallel_checks_what_is_known():
         validate_expert_parallel(2, world_size=2, tp=2)
     with pytest.raises(ExpertParallelError, match="allgather"):
         validate_expert_parallel(1, pp=2, dispatcher="allgather")
+    with pytest.raises(ExpertParallelError, match="set parallel.sequence_parallel=true"):
+        validate_expert_parallel(2, num_experts=4, tp=2, sequence_parallel=False)
+    validate_expert_parallel(1, num_experts=0, tp=2, sequence_parallel=False)  # dense: no MoE rule
+
+
+def test_moe_training_at_tp_needs_sequence_parallel():
+    check_moe_sequence_parallel(1, False)
+    check_moe_sequence_parallel(4, True)
+    with pytest.raises(ExpertParallelError) as err:
+        check_moe_sequence_parallel(2, False)
+    assert str(err.value) == (
+        "training a mixture-of-experts model at parallel.tp=2 needs sequence parallelism: set parallel.sequence_parallel=true"
+    )
 
 
 def test_expert_groups_tp2_ep2_of_8():

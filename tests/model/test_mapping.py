@@ -253,6 +253,8 @@ def test_expert_rows_are_expert_major_and_bound():
         Map(hf=("model.layers.{i}.mlp.experts.{e}.x",), megatron="decoder.layers.{i}.mlp.x", transform=REPLICATED)
     with pytest.raises(ValueError, match="'{e}' must appear in all names"):
         Map(hf=("model.layers.{i}.{e}",), megatron="decoder.layers.{i}.{e}", megatron_te="decoder.layers.{i}.x", transform=REPLICATED)
+    with pytest.raises(ValueError, match="must be per layer"):
+        Map(hf=("experts.{e}.x",), megatron="experts.{e}.x", transform=REPLICATED)
     with pytest.raises(ValueError, match="not per expert"):
         table.row_for_megatron("decoder.layers.{i}.mlp.router.weight").for_expert(0)
 
