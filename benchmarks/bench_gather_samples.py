@@ -6,7 +6,7 @@ the same process group, on the same synthetic samples, interleaved over `--repea
 
   (a) lists:  the samples as the trainer held them before (token ids and log-probs as Python lists),
               `all_gather_object` of them, as `gather_from_leaders` did;
-  (b) tensor: `experience.gather_samples`: small fields pickled, token ids + log-prob bits in one
+  (b) tensor: `trainer.samples.gather_samples`: small fields pickled, token ids + log-prob bits in one
               int32 buffer per replica (each prompt once per group), broadcast from its leader.
 
 Reported per round: bytes each replica serialises (pickle size for (a), header pickle + buffer for

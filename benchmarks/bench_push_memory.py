@@ -2,7 +2,7 @@
 
 "Before" is the push as it was until issue 17 item 2, reproduced here side by side with today's
 code in the same processes: every TP slice first expanded into a full-shape buffer
-(`spmd_sync._placed_in_full_buffer`), vocabulary rows all-gathered into full tensors, and every
+(`rollout/sync/tp_shards.py` before its per-rank slices), vocabulary rows all-gathered into full tensors, and every
 bucket moved to host memory and made contiguous (`iter_buckets(device="cpu")`) before vLLM's loaders
 saw it. "After" is today's `RolloutGroup.sync_weights` (full-shape `PlacedSlice`s, rows exchanged
 point to point, buckets on the engine parameters' device).
@@ -86,7 +86,7 @@ class BeforeGatherEngine:
 
 
 class BeforeShardTarget:
-    """`spmd_sync.InProcessShardTarget` before: each slice in a full-shape buffer, vocabularies all-gathered."""
+    """`tp_shards.InProcessShardTarget` before: each slice in a full-shape buffer, vocabularies all-gathered."""
 
     def __init__(self, target) -> None:
         self.engine, self.group, self.vocab_rows = target.engine, target.group, target.vocab_rows
@@ -142,7 +142,7 @@ def _all_gather_rows(shard, group):
 def recipe_32b() -> dict:
     """Bytes through host memory per rank per sync for configs/dapo_qwen2.5_32b.yaml, before and after."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.plan.memory import hf_parameter_count, known_model
+    from megatron_dapo.plan import hf_parameter_count, known_model
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "dapo_qwen2.5_32b.yaml"))
     model = known_model("qwen2.5-32b")

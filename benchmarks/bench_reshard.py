@@ -245,7 +245,9 @@ def main() -> None:
     from megatron_dapo.model.load import load_hf_into_megatron
     from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
     from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.rollout.sync.dispatch import iter_weight_buckets, iter_weight_shard_buckets, sync_weights
+    from megatron_dapo.rollout.sync.dispatch import sync_weights
+    from megatron_dapo.rollout.sync.gather import iter_weight_buckets
+    from megatron_dapo.rollout.sync.shards import iter_weight_shard_buckets
 
     ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp), timeout_s=1800, seed=0)
     rank0 = ctx.rank == 0

@@ -9,10 +9,14 @@ interpolation (`${rollout.max_response_length}`); overrides are parsed as YAML s
 (`trainer.total_steps=10` is an int, `model.megatron_checkpoint=null` is None).
 
 The data-parallel size is not a key: it is derived from the world size (`Config.resolve_world`).
+The rules on the parallel sizes (against each other, the model and the world) belong to
+`distributed/layout.py`, the rollout placement to `rollout/placement.py`; this module applies them
+to the config and reports a broken one as a ConfigError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -21,6 +25,19 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
+
+from megatron_dapo.algorithm.defaults import CLIP_C, CLIP_HIGH, CLIP_LOW
+from megatron_dapo.distributed.layout import (
+    LayoutError,
+    check_batch_split,
+    check_model_shape,
+    check_rollout_tp,
+    check_sizes,
+    check_world_size,
+    validate_expert_parallel,
+)
+from megatron_dapo.errors import InputError
+from megatron_dapo.rollout.placement import PlacementError, resolve_placement
 
 __all__ = [
     "ActorConfig",
@@ -43,7 +60,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A configuration problem, reported before anything expensive starts."""
 
 
@@ -175,7 +192,7 @@ class RolloutConfig:
 
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
-"""Values `algorithm.filter_groups.metric` may name (see `experience.filter_metric`)."""
+"""Values `algorithm.filter_groups.metric` may name (see `trainer.samples.filter_metric`)."""
 
 
 @dataclass
@@ -209,10 +226,10 @@ class KLConfig:
 
 @dataclass
 class AlgorithmConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = CLIP_LOW
+    clip_high: float = CLIP_HIGH
     """Decoupled upper clip range (DAPO clip-higher)."""
-    clip_c: Optional[float] = 3.0
+    clip_c: Optional[float] = CLIP_C
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; null disables."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -351,8 +368,7 @@ class Config:
 
     def resolve_world(self, world_size: int) -> "Config":
         """Derive the data-parallel size from the world size and check the layout fits it."""
-        validate_world(self, world_size)
-        self.parallel.dp = world_size // (self.parallel.tp * self.parallel.pp * self.parallel.cp)
+        self.parallel.dp = validate_world(self, world_size)
         return self
 
 
@@ -366,6 +382,7 @@ CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable")  # = checkpoint.opt
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML file (optional), apply dotted `key=value` overrides, build and validate a Config."""
+    # `megatron-dapo --help` imports this module: omegaconf and yaml (~150 ms) load on first use.
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -577,16 +594,21 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+@contextlib.contextmanager
+def _config_errors():
+    """The layout and placement rules raise their own errors; a config that breaks one is a ConfigError."""
+    try:
+        yield
+    except (LayoutError, PlacementError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def validate(cfg: Config) -> None:
     """Checks that need only the config (and the model's config.json when it is readable)."""
     p, r, a, t, o = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.trainer, cfg.optimizer
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("rollout.tp", r.tp)):
-        _require(value >= 1, f"'{key}' must be >= 1, got {value}")
-    _require(p.vpp is None or p.vpp >= 1, f"'parallel.vpp' must be null or >= 1, got {p.vpp}")
-    _require(
-        p.vpp is None or p.vpp == 1 or p.pp > 1,
-        f"'parallel.vpp'={p.vpp} needs pipeline parallelism: set parallel.pp > 1 or parallel.vpp=null",
-    )
+    with _config_errors():
+        check_sizes(p.tp, p.pp, p.cp, p.vpp, r.tp)
+        validate_expert_parallel(p.ep)
 
     _require(r.n >= 1, f"'rollout.n' must be >= 1, got {r.n}")
     _require(r.temperature > 0, f"'rollout.temperature' must be > 0, got {r.temperature}")
@@ -600,11 +622,8 @@ def validate(cfg: Config) -> None:
     _require(0 < r.gpu_memory_utilization <= 1, "'rollout.gpu_memory_utilization' must be in (0, 1]")
     _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
     _require(r.sleep_level in (1, 2), f"'rollout.sleep_level' must be 1 or 2, got {r.sleep_level}")
-    _require(
-        r.placement != "spmd" or r.engine == "vllm",
-        f"'rollout.placement'=spmd needs rollout.engine=vllm (got {r.engine!r}): use placement auto or leader",
-    )
-    spmd = r.placement == "spmd" or (r.placement == "auto" and r.engine == "vllm")
+    with _config_errors():
+        spmd = resolve_placement(r.placement, r.engine) == "spmd"
     _require(
         r.weight_sync_mode != "tp_shards" or (spmd and r.tp == p.tp),
         f"'rollout.weight_sync_mode'=tp_shards needs the spmd placement (rollout.engine=vllm, rollout.placement "
@@ -709,6 +728,7 @@ def read_model_config(hf_dir: str) -> dict:
     """`model.hf_dir`'s config.json as a dict, refused (ConfigError naming the file and the key) when
     it is not valid JSON or describes an architecture this trainer cannot run: the same check and
     message as `megatron-dapo convert` (`model.hf_config.read_hf_config`)."""
+    # The megatron_dapo.model package imports torch, which `megatron-dapo --help` must not load.
     from megatron_dapo.model.hf_config import ModelFileError, UnsupportedModelError, load_config_json, read_hf_config
 
     try:
@@ -741,76 +761,36 @@ def skipped_model_checks(cfg: Config) -> Optional[str]:
 
 
 def validate_model_shape(cfg: Config, hf_config: dict) -> None:
-    """Parallel sizes against the model's shape: heads and query groups by TP, layers by PP x VPP."""
-    p = cfg.parallel
+    """Parallel sizes against the model's shape (`layout.check_model_shape`) from its HF config.json."""
     heads = int(hf_config.get("num_attention_heads", 0) or 0)
-    groups = int(hf_config.get("num_key_value_heads", heads) or heads)
-    layers = int(hf_config.get("num_hidden_layers", 0) or 0)
-
-    def divisors(n: int) -> str:
-        return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-    if heads:
-        _require(
-            heads % p.tp == 0,
-            f"'parallel.tp'={p.tp} does not divide the model's num_attention_heads={heads}: "
-            f"use parallel.tp in {{{divisors(heads)}}}",
+    with _config_errors():
+        check_model_shape(
+            cfg.parallel.tp,
+            cfg.parallel.pp,
+            cfg.parallel.vpp,
+            num_attention_heads=heads,
+            num_query_groups=int(hf_config.get("num_key_value_heads", heads) or heads),
+            num_layers=int(hf_config.get("num_hidden_layers", 0) or 0),
         )
-    if groups:
-        _require(
-            groups % p.tp == 0,
-            f"'parallel.tp'={p.tp} does not divide the model's num_key_value_heads={groups} (query groups): "
-            f"use parallel.tp in {{{divisors(groups)}}}",
-        )
-    if layers:
-        stages = p.pp * (p.vpp or 1)
-        _require(
-            layers % stages == 0,
-            f"the model's num_hidden_layers={layers} is not divisible by parallel.pp x parallel.vpp = {stages}: "
-            f"change 'parallel.pp' / 'parallel.vpp' so that their product is in {{{divisors(layers)}}}",
-        )
+        experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+        validate_expert_parallel(cfg.parallel.ep, num_experts=experts, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def validate_world(cfg: Config, world_size: int) -> None:
-    """Checks that need the number of processes (pre-flight, before any model loads)."""
+def validate_world(cfg: Config, world_size: int) -> int:
+    """Checks that need the number of processes (pre-flight, before any model loads); returns the
+    data-parallel size."""
     p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
-    _require(
-        isinstance(world_size, int) and world_size >= 1,
-        f"world size {world_size!r}: a run needs at least one process (--world-size, or the number of processes "
-        "torchrun / srun launch, must be >= 1)",
-    )
-    model_parallel = p.tp * p.pp * p.cp
-    _require(
-        world_size % model_parallel == 0,
-        f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
-        f"{p.tp} x {p.pp} x {p.cp} = {model_parallel}: launch a multiple of {model_parallel} processes "
-        f"or change 'parallel.tp' / 'parallel.pp' / 'parallel.cp'",
-    )
-    _require(
-        world_size % r.tp == 0,
-        f"world size {world_size} is not divisible by 'rollout.tp'={r.tp}",
-    )
-    dp = world_size // model_parallel
-    sequences = t.ppo_mini_batch_size * r.n
-    _require(
-        sequences % dp == 0,
-        f"a mini-batch of trainer.ppo_mini_batch_size x rollout.n = {t.ppo_mini_batch_size} x {r.n} = {sequences} "
-        f"sequences cannot be split evenly over {dp} data-parallel ranks: change 'trainer.ppo_mini_batch_size' "
-        f"or the number of processes",
-    )
-    if not t.max_tokens_per_micro_batch:
-        _require(
-            (sequences // dp) % t.micro_batch_size == 0,
-            f"each data-parallel rank gets {sequences // dp} sequences per mini-batch, not a multiple of "
-            f"'trainer.micro_batch_size'={t.micro_batch_size}: change it to a divisor of {sequences // dp}",
+    with _config_errors():
+        dp = check_world_size(world_size, p.tp, p.pp, p.cp)
+        validate_expert_parallel(p.ep, world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp)
+        check_rollout_tp(world_size, r.tp)
+        check_batch_split(
+            dp,
+            ppo_mini_batch_size=t.ppo_mini_batch_size,
+            n=r.n,
+            micro_batch_size=t.micro_batch_size,
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            gen_batch_size=t.gen_batch_size,
+            train_batch_size=t.train_batch_size,
         )
-    _require(
-        t.gen_batch_size % dp == 0,
-        f"'trainer.gen_batch_size'={t.gen_batch_size} prompts cannot be split evenly over {dp} data-parallel "
-        f"replicas: use a multiple of {dp}",
-    )
-    _require(
-        t.train_batch_size % dp == 0,
-        f"'trainer.train_batch_size'={t.train_batch_size} is not divisible by {dp} data-parallel replicas: "
-        f"use a multiple of {dp}",
-    )
+    return dp

@@ -102,8 +102,6 @@ def test_missing_or_malformed_file(tmp_path):
         (["algorithm.clip_c=0.5"], "must be > 1 or null"),
         (["rollout.top_p=0"], "rollout.top_p"),
         (["rollout.temperature=0"], "rollout.temperature"),
-        (["parallel.vpp=2"], "needs pipeline parallelism"),
-        (["parallel.tp=0"], "'parallel.tp' must be >= 1"),
         (["trainer.max_tokens_per_micro_batch=100"], "cannot hold one full sequence"),
         (["trainer.loggers=[console,foo]"], "unknown logger 'foo'"),
         (["reward.custom_function.path=mymodule"], "does not name the function"),
@@ -131,7 +129,8 @@ def _model_dir(tmp_path, heads=16, kv=4, layers=6, architecture="Qwen2ForCausalL
     return str(model)
 
 
-def test_heads_not_divisible_by_tp(tmp_path):
+def test_model_shape_is_checked_at_load_from_the_models_config_json(tmp_path):
+    """`distributed.layout.check_model_shape` with the heads, query groups and layers of model.hf_dir."""
     model = _model_dir(tmp_path)
     with pytest.raises(ConfigError, match=r"'parallel.tp'=3 does not divide the model's num_attention_heads=16"):
         load_config(None, [f"model.hf_dir={model}", "parallel.tp=3"])
@@ -143,20 +142,35 @@ def test_heads_not_divisible_by_tp(tmp_path):
     assert cfg.parallel.tp == 4
 
 
-def test_world_size_checks():
+def test_layout_rules_are_config_errors():
+    """The rules are `distributed.layout`'s (their messages are tested there); the config applies them at
+    load (sizes) and at `resolve_world` (world size, rollout TP, batch split), as ConfigErrors."""
+    with pytest.raises(ConfigError, match="'parallel.tp' must be >= 1"):
+        load_config(None, ["parallel.tp=0"])
+    with pytest.raises(ConfigError, match="needs pipeline parallelism"):
+        load_config(None, ["parallel.vpp=2"])
     cfg = load_config(
         None,
         ["parallel.tp=2", "trainer.train_batch_size=4", "trainer.gen_batch_size=4", "trainer.ppo_mini_batch_size=2",
          "rollout.n=3", "trainer.micro_batch_size=1"],
     )
+    with pytest.raises(ConfigError, match="world size 0: a run needs at least one process"):
+        cfg.resolve_world(0)
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
         cfg.resolve_world(3)
     with pytest.raises(ConfigError, match="cannot be split evenly over 4 data-parallel ranks"):
         cfg.resolve_world(8)
+    assert cfg.parallel.dp is None
     assert cfg.resolve_world(4).parallel.dp == 2
     cfg.trainer.micro_batch_size = 2
     with pytest.raises(ConfigError, match="'trainer.micro_batch_size'=2"):
         cfg.resolve_world(4)
+    cfg.trainer.micro_batch_size, cfg.rollout.tp = 1, 4
+    with pytest.raises(ConfigError, match="'rollout.tp'=4 must divide the world size 2"):
+        cfg.resolve_world(2)
+    cfg.rollout.tp, cfg.rollout.n, cfg.trainer.gen_batch_size = 1, 4, 6
+    with pytest.raises(ConfigError, match=r"'trainer.gen_batch_size'=6 prompts cannot be split evenly over 4"):
+        cfg.resolve_world(8)
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -165,22 +179,6 @@ def test_shipped_configs_load(path):
 
 
 # ------------------------------------------------------------------ bad input, as a new user makes it
-
-
-@pytest.mark.parametrize("world_size", [0, -2])
-def test_world_size_below_one_is_refused(world_size):
-    cfg = load_config(None, ["trainer.train_batch_size=4", "trainer.gen_batch_size=4", "trainer.ppo_mini_batch_size=2"])
-    with pytest.raises(ConfigError, match=rf"world size {world_size}: a run needs at least one process"):
-        cfg.resolve_world(world_size)
-    assert cfg.parallel.dp is None
-
-
-def test_world_checks_split_the_prompt_batches_over_replicas():
-    cfg = load_config(None, ["trainer.train_batch_size=4", "trainer.gen_batch_size=6", "trainer.ppo_mini_batch_size=1",
-                             "rollout.n=4"])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"'trainer.gen_batch_size'=6 prompts cannot be split evenly over 4"):
-        cfg.resolve_world(4)
-    assert cfg.resolve_world(2).parallel.dp == 2
 
 
 @pytest.mark.parametrize(
@@ -231,3 +229,28 @@ def test_skipped_model_checks_say_why(tmp_path):
     assert "does not exist here" in skipped_model_checks(load_config(None, [f"model.hf_dir={tmp_path / 'nope'}"]))
     assert "has no config.json" in skipped_model_checks(load_config(None, [f"model.hf_dir={tmp_path}"]))
     assert skipped_model_checks(load_config(None, [f"model.hf_dir={_model_dir(tmp_path)}"])) is None
+
+
+def test_expert_parallel_rules_are_config_errors(tmp_path):
+    """`parallel.ep` against the model's experts at load and against the world at `resolve_world`
+    (`distributed.layout`'s expert-parallel rules, their messages tested there)."""
+    dense = _model_dir(tmp_path)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "intermediate_size": 256, "head_dim": 16,
+                    "max_position_embeddings": 1024, "vocab_size": 1000, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32})  # fmt: skip
+    )
+    with pytest.raises(ConfigError, match="parallel.ep=0 must be a positive integer"):
+        load_config(None, ["parallel.ep=0"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 needs a mixture-of-experts model"):
+        load_config(None, [f"model.hf_dir={dense}", "parallel.ep=2"])
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 does not divide the model's num_experts=8: use parallel.ep in \{1, 2, 4, 8\}"):
+        load_config(None, [f"model.hf_dir={moe}", "parallel.ep=3"])
+    with pytest.raises(ConfigError, match="needs sequence parallelism"):
+        load_config(None, [f"model.hf_dir={moe}", "parallel.tp=2"])
+    cfg = load_config(None, [f"model.hf_dir={moe}", "parallel.ep=4", "trainer.ppo_mini_batch_size=2", "rollout.n=2"])
+    with pytest.raises(ConfigError, match="parallel.ep must divide DP x CP = 2"):
+        cfg.resolve_world(2)
+    assert cfg.resolve_world(4).parallel.dp == 4 and cfg.parallel.ep == 4

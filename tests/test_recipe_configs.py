@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.plan import memory as mp
+from megatron_dapo import plan as mp
 from megatron_dapo.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -120,9 +120,9 @@ def test_recipe_fits_h100_gpus_and_quotes_the_planner(name):
         f"weight sync: params + engine weights + bucket + reserve           {r.sync_total / mp.GIB:.2f} GiB   fits",
         f"{max(s.training_total for s in plan.stages) / mp.GIB:.2f} GiB   fits",
         f"host memory {r.host_per_gpu / mp.GIB:.2f} GiB per GPU, {r.host_per_node / mp.GIB:.2f} GiB per node",
-        f"largest rollout.gpu_memory_utilization: {mp._down(r.max_gpu_memory_utilization)} with this offload "
+        f"largest rollout.gpu_memory_utilization: {mp.format_utilization(r.max_gpu_memory_utilization)} with this offload "
         f"({r.concurrent_full_sequences_at_max} full-length sequences per engine); "
-        f"{mp._down(r.max_gpu_memory_utilization_resident)} with the actor resident",
+        f"{mp.format_utilization(r.max_gpu_memory_utilization_resident)} with the actor resident",
     ]
     for line in expected_lines:
         assert line in text, line
@@ -130,7 +130,7 @@ def test_recipe_fits_h100_gpus_and_quotes_the_planner(name):
     quoted_host = re.findall(r"([\d.]+) GiB per GPU, ([\d.]+) GiB per node", text)
     assert quoted_host and set(quoted_host) == {(f"{r.host_per_gpu / mp.GIB:.2f}", f"{r.host_per_node / mp.GIB:.2f}")}, quoted_host
     # ... and the utilisation the rollout section names as the planner's limit.
-    assert f"(planner: at most {mp._down(r.max_gpu_memory_utilization)})" in text
+    assert f"(planner: at most {mp.format_utilization(r.max_gpu_memory_utilization)})" in text
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -154,7 +154,7 @@ def test_recipe_offloads_the_actor_while_generating(name):
     assert r.max_gpu_memory_utilization_resident < cfg.rollout.gpu_memory_utilization <= r.max_gpu_memory_utilization
     resident = mp.plan_memory(
         load_config(CONFIGS / name, ["actor.offload_params=false", "actor.offload_grads=false", "actor.offload_optimizer=false",
-                                     f"rollout.gpu_memory_utilization={mp._down(r.max_gpu_memory_utilization_resident)}"]),
+                                     f"rollout.gpu_memory_utilization={mp.format_utilization(r.max_gpu_memory_utilization_resident)}"]),
         mp.known_model(model_name), mp.ClusterShape(nodes=nodes),
     )  # fmt: skip
     assert resident.fits and r.concurrent_full_sequences > resident.rollout.concurrent_full_sequences

@@ -30,7 +30,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_dapo.data.micro_batches import pack_sequences, split_into_micro_batches
+from megatron_dapo.data.micro_batches import pack_sequences, round_up, split_into_micro_batches
+from megatron_dapo.distributed.context_parallel import split_for_cp_rank
 
 __all__ = [
     "MicroBatch",
@@ -283,10 +284,6 @@ class MicroBatch:
         return self.input_ids.shape[0]
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def build_micro_batch(
     batch: PolicyBatch,
     indices: Sequence[int],
@@ -327,7 +324,7 @@ def build_micro_batch(
         starts = packed_inputs.cu_seqlens_padded[:-1].to(torch.long)
         attention_mask, packed_seq_params = None, packed_inputs.packed_seq_params()
     else:
-        seq_length = _round_up(max(x.numel() for x in inputs), pad_to_multiple_of)
+        seq_length = round_up(max(x.numel() for x in inputs), pad_to_multiple_of)
         rows = len(inputs)
         input_ids = torch.full((rows, seq_length), pad_token_id, dtype=torch.long, device=device)
         label_ids = torch.full((rows, seq_length), pad_token_id, dtype=torch.long, device=device)
@@ -386,8 +383,6 @@ def split_for_context_parallel(micro_batch: MicroBatch, cp_size: int, cp_rank: i
     response-aligned fields stay whole: every CP rank computes the same loss from the gathered
     per-token log-probs. The row length must already be a multiple of 2*CP (``pad_to_multiple_of``).
     """
-    from megatron_dapo.distributed.context_parallel import split_for_cp_rank
-
     if cp_size == 1:
         return micro_batch
     if micro_batch.packed_seq_params is not None:

@@ -14,9 +14,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dapo.actor.batch import MicroBatch
 from megatron_dapo.model.logprobs import token_log_probs_and_entropy
+from megatron_dapo.distributed.context_parallel import gather_sequence_keep_slice
 
 __all__ = [
     "broadcast_from_last_stage",
@@ -29,8 +32,6 @@ __all__ = [
 
 def is_last_stage() -> bool:
     """Whether this rank holds the last pipeline stage (where the logits are)."""
-    from megatron.core import parallel_state as ps
-
     return ps.is_pipeline_last_stage(ignore_virtual=True)
 
 
@@ -57,8 +58,6 @@ def response_log_probs(
     parallelism ``S`` is this rank's ``S/CP`` positions and the per-token values are all-gathered over
     the CP group (``micro_batch.context_parallel``). Differentiable.
     """
-    from megatron.core import parallel_state as ps
-
     if temperature != 1.0:
         logits = logits / temperature  # the distribution the rollout engine sampled from
     log_probs, entropy = token_log_probs_and_entropy(
@@ -73,8 +72,6 @@ def response_log_probs(
         # This rank holds 2 of the 2*CP sequence chunks: gather the per-token values into full order.
         # Every CP rank then computes the same loss; backward keeps this rank's slice (its tokens'
         # gradients are complete there, so summing over CP would count them CP times).
-        from megatron_dapo.distributed.context_parallel import gather_sequence_keep_slice
-
         group = ps.get_context_parallel_group()
         log_probs = gather_sequence_keep_slice(log_probs, 1, group)
         entropy = gather_sequence_keep_slice(entropy, 1, group) if entropy is not None else None
@@ -101,8 +98,6 @@ def run_schedule(
     stage reads every micro-batch: the first for the tokens, all for the attention mask, the last
     for the labels). Returns Megatron's ``forward_data_store`` (filled on the last stage only).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if not micro_batches:
         raise ValueError("run_schedule needs at least one micro-batch (use an empty one to stay in step)")
     models = list(models)
@@ -123,8 +118,6 @@ def run_schedule(
 
 def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """Give every pipeline stage the last stage's ``tensor`` (same shape and dtype on every rank)."""
-    from megatron.core import parallel_state as ps
-
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return tensor
     group = ps.get_pipeline_model_parallel_group()

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from megatron_dapo.actor.batch import MicroBatch
+from megatron_dapo.algorithm.defaults import CLIP_C, CLIP_HIGH, CLIP_LOW
 from megatron_dapo.algorithm.loss import PolicyLossStats, aggregate, kl_penalty, policy_loss
 from megatron_dapo.algorithm.mismatch import truncated_is_weights
 
@@ -50,9 +51,9 @@ sum is the mini-batch value); ``*_sum`` entries and the policy-loss statistics a
 class ObjectiveSettings:
     """The loss terms and their constants (from `config.AlgorithmConfig`)."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_c: Optional[float] = 3.0
+    clip_low: float = CLIP_LOW
+    clip_high: float = CLIP_HIGH
+    clip_c: Optional[float] = CLIP_C
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

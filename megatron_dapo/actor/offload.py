@@ -34,7 +34,7 @@ and state keys, DDP's hooks) stays valid, and the values come back bit for bit. 
 from several kinds belongs to the first of params, grads, optimizer (the distributed optimizer's
 "main" shards of an fp32 model are views of the parameter buffer: they are params). Until onload,
 touching an offloaded tensor is undefined (a segmentation fault on the CPU, an illegal address on a
-GPU): the trainer's order (`trainer.py`) keeps the actor untouched while it is away.
+GPU): the trainer's order (`trainer/handover.py`) keeps the actor untouched while it is away.
 
 Host buffers: one per copied kind, allocated at the first offload and reused while the kind's storages
 keep their sizes (Adam's state appears at the first optimizer step: the next offload of

@@ -43,8 +43,14 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dapo.model.builder import mark_tensor_parallel_weights as ensure_tensor_parallel_attributes
+from megatron_dapo.model.builder import announce_once
+from megatron_dapo.model.gpu_kernels import apex_fused_wgrad_status, gradient_options, transformer_engine_status
 
 __all__ = [
     "announce_gradient_options",
@@ -67,8 +73,6 @@ def finalize_grads_without_scaling(
     ``num_tokens`` is what the schedule summed from our loss function; it is deliberately ignored
     because every micro-batch loss is already divided by the global count.
     """
-    from megatron.core.distributed import finalize_model_grads
-
     finalize_model_grads(models, None, **kwargs)
 
 
@@ -95,8 +99,6 @@ def prepare_transformer_config(config: Any, pipeline_parallel_size: int, model_c
 
 def resolve_overlap_grad_reduce(overlap_grad_reduce: Optional[bool], device: torch.device) -> bool:
     """``overlap_grad_reduce`` for models on ``device``: None decides (on with CUDA, `gpu_kernels.gradient_options`)."""
-    from megatron_dapo.model.gpu_kernels import gradient_options
-
     return gradient_options(device.type, False, False, overlap_grad_reduce=overlap_grad_reduce).overlap_grad_reduce
 
 
@@ -114,9 +116,6 @@ def prepare_for_training(
     ``grad_sync_func`` lets the pipeline schedules start a chunk's reduction when its last backward
     is done; ``finalize_model_grads`` then waits for the reductions (``finish_grad_sync``).
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     models = list(models)
     config = models[0].config
     if any(m.config is not config for m in models):
@@ -152,9 +151,6 @@ def prepare_for_training(
 
 def announce_gradient_options(wrapped: Sequence[torch.nn.Module]) -> str:
     """Print (once, rank 0) how gradients are reduced and accumulated, as DDP and the layers were built."""
-    from megatron_dapo.model.builder import announce_once
-    from megatron_dapo.model.gpu_kernels import apex_fused_wgrad_status, gradient_options, transformer_engine_status
-
     device = next(wrapped[0].parameters()).device
     cuda = device.type == "cuda"
     decided = gradient_options(
@@ -170,8 +166,6 @@ def announce_gradient_options(wrapped: Sequence[torch.nn.Module]) -> str:
 
 def megatron_optimizer_config(optimizer_cfg: Any, dtype: torch.dtype, use_distributed_optimizer: bool):
     """Megatron's ``OptimizerConfig`` (AdamW) from our `config.OptimizerConfig`."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-
     return MegatronOptimizerConfig(
         optimizer="adam",
         lr=optimizer_cfg.lr,
@@ -190,8 +184,6 @@ def megatron_optimizer_config(optimizer_cfg: Any, dtype: torch.dtype, use_distri
 
 def build_optimizer(models: Sequence[torch.nn.Module], optimizer_cfg: Any, use_distributed_optimizer: bool):
     """``get_megatron_optimizer`` over the DDP-wrapped chunks; installs its loss scaling on the config."""
-    from megatron.core.optimizer import get_megatron_optimizer
-
     models = list(models)
     config = models[0].config
     optimizer = get_megatron_optimizer(
@@ -206,8 +198,6 @@ def build_scheduler(optimizer: Any, optimizer_cfg: Any, total_steps: int):
 
     Step it once per rollout step, before that step's updates (see the module docstring).
     """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     warmup = int(optimizer_cfg.warmup_steps)
     steps = max(int(total_steps), warmup + 1)  # Megatron asserts warm-up < decay steps
     return OptimizerParamScheduler(

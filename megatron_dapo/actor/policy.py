@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_dapo.actor.batch import (
     MicroBatch,
@@ -105,8 +106,6 @@ class ReferenceModel:
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], settings: ForwardSettings) -> None:
-        from megatron.core import parallel_state as ps
-
         if not models:
             raise ValueError("no model chunks")
         self.models = list(models)
@@ -245,8 +244,6 @@ class MegatronActor(ReferenceModel):
 
     @staticmethod
     def _dp_group():
-        from megatron.core import parallel_state as ps
-
         return ps.get_data_parallel_group()
 
     def _check_same_count_across_dp(self, count: int) -> None:

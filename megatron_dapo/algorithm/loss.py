@@ -18,6 +18,8 @@ from typing import Optional, Union
 
 import torch
 
+from megatron_dapo.algorithm.defaults import CLIP_C, CLIP_HIGH, CLIP_LOW
+
 __all__ = [
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
@@ -138,9 +140,9 @@ def policy_loss(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_c: Optional[float] = 3.0,
+    clip_low: float = CLIP_LOW,
+    clip_high: float = CLIP_HIGH,
+    clip_c: Optional[float] = CLIP_C,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """Per-token clipped surrogate loss with decoupled clip range (DAPO clip-higher) and dual-clip.
 

@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_dapo.algorithm.advantage import GroupIds, index_groups
+from megatron_dapo.errors import StopError
 
 __all__ = [
     "GroupFilterResult",
@@ -116,7 +117,7 @@ def select_informative_groups(metric: Metric, group_ids: GroupIds, enabled: bool
     )
 
 
-class DynamicSamplingExhausted(RuntimeError):
+class DynamicSamplingExhausted(StopError, RuntimeError):
     """Too many generation batches without filling the train batch with informative groups."""
 
 

@@ -1,4 +1,4 @@
-"""HF <-> Megatron checkpoint conversion, streaming, in one process; and the `convert` subcommand.
+"""HF <-> Megatron checkpoint conversion, streaming, in one process (the library of `megatron-dapo convert`).
 
     megatron-dapo convert hf-to-megatron --hf-dir Qwen2.5-7B --output ckpt/qwen7b --tp 4 --pp 2
     megatron-dapo convert megatron-to-hf --megatron-dir runs/dapo/checkpoints --output exported/
@@ -6,9 +6,8 @@
 HF -> Megatron writes a Megatron distributed checkpoint (torch_dist) of the model alone, in the
 directory format `megatron_dapo.checkpoint` loads (metadata.json + dist/ + hf/ with the config and
 tokenizer files). Distributed checkpoints store every tensor with its global shape, so one process
-writes full tensors and Megatron loads them at any TP / PP / VPP / DP / EP: `--tp/--pp/--vpp` (and
-`ep` for mixtures of experts) are checked against the model (heads, query groups, layers, experts)
-and recorded, nothing more. A mixture of experts stores each layer's experts stacked along an
+writes full tensors and Megatron loads them at any TP / PP / VPP / DP / EP: `--tp/--pp/--vpp/--ep`
+are checked against the model (heads, query groups, layers, experts) and recorded, nothing more. A mixture of experts stores each layer's experts stacked along an
 expert axis by global id, which each expert-parallel rank slices its own experts from. The keys,
 shapes and chunks are the ones Megatron's own `GPTModel.sharded_state_dict()` asks for at TP=1
 (`checkpoint.template`), and the tensors are the HF tensors passed through the same mapping table
@@ -27,7 +26,6 @@ the model size (benchmarks/bench_convert_memory.py measures it).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -38,25 +36,48 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
-if TYPE_CHECKING:  # heavy imports stay inside functions (fast --help, see cli.py)
-    import torch
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from megatron_dapo.checkpoint.core import load_checkpoint, make_metadata
+from megatron_dapo.checkpoint.layout import (
+    DIST_DIR,
+    HF_DIR,
+    METADATA_FILE,
+    copy_hf_side_files,
+    fsync_dir,
+    resolve_checkpoint_dir,
+)
+from megatron_dapo.checkpoint.streaming import ChunkTargets, LazyChunk, LazyChunkedTensor, read_chunks, write_streaming
+from megatron_dapo.checkpoint.template import checkpoint_template
+from megatron_dapo.checkpoint.torch_dist import stored_entries
+from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+from megatron_dapo.distributed.layout import experts_per_rank
+from megatron_dapo.errors import InputError, StopError
+from megatron_dapo.model.arch_tables import mapping_for
+from megatron_dapo.model.builder import build_gpt_models, check_against_hf
+from megatron_dapo.model.debug import compare_with_hf
+from megatron_dapo.model.hf_config import read_hf_config
+from megatron_dapo.model.hf_weights import HFWeightReader, check_weight_files, open_safetensors
+from megatron_dapo.model.mapping import LOCAL_SPEC, ModelShape
+from megatron_dapo.model.safetensors_format import SAFETENSORS_DTYPES, safetensors_header, tensor_nbytes
+from megatron_dapo.checkpoint.disk_full import disk_full_error
 
 __all__ = [
-    "HF_TO_MEGATRON_DESCRIPTION",
-    "MEGATRON_TO_HF_DESCRIPTION",
+    "DTYPES",
     "ConversionError",
     "ConversionReport",
-    "add_arguments",
-    "add_hf_to_megatron_arguments",
-    "add_megatron_to_hf_arguments",
+    "ConversionWriteError",
     "convert_hf_to_megatron",
     "convert_megatron_to_hf",
     "parse_size",
-    "run",
-    "run_hf_to_megatron",
-    "run_megatron_to_hf",
     "verify_logits_against_hf",
 ]
 
@@ -64,8 +85,12 @@ PathLike = Union[str, os.PathLike]
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConversionError(ValueError):
+class ConversionError(InputError, ValueError):
     """The inputs cannot be converted (the message says why and what to do)."""
+
+
+class ConversionWriteError(StopError, OSError):
+    """Writing the output failed (a full disk, a read-only directory); the partial output was removed."""
 
 
 @dataclass
@@ -104,8 +129,6 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 def _torch_dtype(name: Optional[str]):
-    import torch
-
     if name is None:
         return None
     if name not in DTYPES:
@@ -131,9 +154,8 @@ def _atomic_output(output: Path, overwrite: bool) -> Iterator[Path]:
     Like the training checkpoints: a conversion that fails (bad input found late, a full disk, a
     failed logits check, Ctrl-C) removes its partial files and leaves `output` as it was (absent,
     empty, or with --overwrite the previous content), never an empty or half-written directory.
+    A write that failed is raised as a `ConversionWriteError` that says so.
     """
-    from megatron_dapo.checkpoint.layout import fsync_dir
-
     _check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     for stale in output.parent.glob(f".{output.name}{_STAGING}*"):  # left by a conversion killed with -9
@@ -152,48 +174,54 @@ def _atomic_output(output: Path, overwrite: bool) -> Iterator[Path]:
                 output.rmdir()
             os.replace(staging, output)
         fsync_dir(output.parent)
-    except BaseException:
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        failed = _write_failure(error, output)
+        if failed is None:
+            raise
+        raise failed from error
+
+
+def _write_failure(error: BaseException, output: Path) -> Optional[ConversionWriteError]:
+    """A `ConversionWriteError` when `error` is a write that failed (a full disk anywhere in its chain,
+    or another OSError), else None: bad input, a missing file, a bug and Ctrl-C pass unchanged."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit, InputError, StopError, FileNotFoundError)):
+        return None
+    if disk_full_error(error, output.parent) is not None:
+        reason, fix = f"no space left on the disk of {output.parent}", "free some space or choose another --output"
+    elif isinstance(error, OSError):
+        reason, fix = str(error), "check that the directory is writable, or choose another --output"
+    else:
+        return None
+    return ConversionWriteError(
+        f"writing {output} failed ({reason}); it is left as it was (the partial output was removed): {fix}, then run the command again"
+    )
 
 
 class _SingleProcessMegatron:
     """Megatron's parallel state at TP=PP=1 for this process (set up and torn down if we own it)."""
 
     def __enter__(self) -> "_SingleProcessMegatron":
-        import torch.distributed as dist
-
-        from megatron_dapo.distributed import ParallelLayout, init_distributed
-
         self.owned = not dist.is_initialized()
         if self.owned:
             # A world of one with a gloo group on a free port, whatever launcher variables are set.
             init_distributed(ParallelLayout(1, 1), timeout_s=600, env={})
         else:
-            from megatron.core import parallel_state as ps
-
-            if dist.get_world_size() != 1 or not ps.model_parallel_is_initialized():
+            if dist.get_world_size() != 1 or not parallel_state.model_parallel_is_initialized():
                 raise ConversionError("conversion runs in a single process: do not launch it with torchrun / srun")
         return self
 
     def __exit__(self, *exc) -> None:
         if self.owned:
-            from megatron_dapo.distributed import teardown
-
             teardown()
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="layer", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
 def _rows_in_order(cfg) -> list[tuple[Any, Optional[int], str]]:
     """(mapping row, global layer or None, Megatron parameter name at TP=PP=1) in HF order."""
-    from megatron_dapo.model.arch_tables import mapping_for
-    from megatron_dapo.model.mapping import LOCAL_SPEC
-
     table = mapping_for(cfg)
     return [(row, layer, row.megatron_name(LOCAL_SPEC, layer)) for row, layer in table.ordered(cfg.num_layers)]
 
@@ -221,8 +249,6 @@ def _check_template_covers(rows, template) -> None:
 
 
 def _check_hf_dir(hf_dir: Path):
-    from megatron_dapo.model.hf_config import read_hf_config
-
     if not hf_dir.exists():
         raise FileNotFoundError(f"HF model directory {hf_dir} does not exist")
     if not hf_dir.is_dir():
@@ -232,22 +258,16 @@ def _check_hf_dir(hf_dir: Path):
     return read_hf_config(hf_dir)
 
 
-_SAFETENSORS_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
 def _stored_hf_dtype(reader) -> "torch.dtype":
     """The dtype of the HF weights, read from a safetensors header (no tensor is loaded)."""
-    import torch
-
-    from megatron_dapo.model.hf_weights import open_safetensors
-
     names = reader.names()
     name = next((n for n in names if n.endswith("embed_tokens.weight")), names[0])
     with open_safetensors(reader.hf_dir / reader.file_of(name)) as handle:
         code = handle.get_slice(name).get_dtype()
-    if code not in _SAFETENSORS_TO_TORCH:
+    stored = next((dtype for dtype, name in SAFETENSORS_DTYPES.items() if name == code), None)
+    if stored is None or not stored.is_floating_point:
         raise ConversionError(f"HF weights are stored as {code}: pass --dtype {' / '.join(DTYPES)}")
-    return getattr(torch, _SAFETENSORS_TO_TORCH[code])
+    return stored
 
 
 def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
@@ -256,8 +276,6 @@ def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
     HFWeightReader keeps the current shard memory-mapped; the pages it touched would stay resident
     until the next shard, adding up to a whole shard to the converter's footprint.
     """
-    from megatron_dapo.model.hf_weights import open_safetensors
-
     if name not in reader:
         raise ConversionError(f"{reader.hf_dir} lacks tensor {name!r} (is the checkpoint complete?)")
     with open_safetensors(reader.hf_dir / reader.file_of(name)) as handle:
@@ -265,11 +283,12 @@ def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
 
 
 def _validate_layout(cfg, tp: int, pp: int, vpp: Optional[int], ep: int = 1):
-    from megatron_dapo.distributed.layout import ParallelLayout, experts_per_rank
-
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
-    layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
-    experts_per_rank(cfg.num_experts, ep)
+    try:
+        layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+        experts_per_rank(cfg.num_experts, ep)
+    except ValueError as error:  # the layout's rule, said about this model and these flags
+        raise ConversionError(str(error)) from None
     return layout
 
 
@@ -294,14 +313,6 @@ def convert_hf_to_megatron(
     `verify_logits`: afterwards load the checkpoint into Megatron and HF (float32, whole model in
     memory) and compare every block's output; raises ConversionError at the first divergence.
     """
-    import torch
-
-    from megatron_dapo.checkpoint.core import make_metadata
-    from megatron_dapo.checkpoint.layout import DIST_DIR, HF_DIR, METADATA_FILE, copy_hf_side_files
-    from megatron_dapo.checkpoint.streaming import LazyChunk, LazyChunkedTensor, write_streaming
-    from megatron_dapo.model.hf_weights import HFWeightReader, check_weight_files
-    from megatron_dapo.model.mapping import ModelShape
-
     start = time.monotonic()
     hf_dir, output = Path(hf_dir), Path(output)
     cfg = _check_hf_dir(hf_dir)
@@ -312,11 +323,6 @@ def convert_hf_to_megatron(
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConversionError(f"HF weights are {out_dtype}: pass --dtype {' / '.join(DTYPES)}")
     _check_output(output, overwrite)
-
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
-
-    from megatron_dapo.checkpoint.template import checkpoint_template
 
     final = output
     with _atomic_output(final, overwrite) as output, _SingleProcessMegatron():
@@ -411,18 +417,6 @@ def verify_logits_against_hf(checkpoint: PathLike, hf_dir: PathLike, tol: float 
     Whole model in memory, twice. Returns the one-line summary; raises ConversionError naming the
     first block whose output differs by more than `tol` (`model.debug.compare_with_hf`).
     """
-    import torch
-
-    from megatron_dapo.checkpoint.core import load_checkpoint
-    from megatron_dapo.distributed.layout import ParallelLayout
-    from megatron_dapo.model.builder import build_gpt_models, check_against_hf
-    from megatron_dapo.model.debug import compare_with_hf
-    from megatron_dapo.model.hf_config import read_hf_config
-
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as err:  # transformers is a dependency; keep the message useful anyway
-        raise ConversionError(f"the logits check needs transformers: {err}") from None
     cfg = read_hf_config(hf_dir)
     with _SingleProcessMegatron():
         models = build_gpt_models(cfg, ParallelLayout(1, 1), torch.float32, transformer_engine="off", init_weights=False)
@@ -450,8 +444,6 @@ class SafetensorsStreamWriter:
     """
 
     def __init__(self, path: Path, entries: Sequence[tuple[str, "torch.dtype", tuple[int, ...]]]) -> None:
-        from megatron_dapo.model.safetensors_format import safetensors_header
-
         self._expected = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
         prefix, _ = safetensors_header(self._expected, metadata={"format": "pt"})
         self.path = path
@@ -460,8 +452,6 @@ class SafetensorsStreamWriter:
         self._next = 0
 
     def write(self, name: str, tensor: "torch.Tensor") -> None:
-        import torch
-
         want = self._expected[self._next]
         got = (name, tensor.dtype, tuple(tensor.shape))
         if got != want:
@@ -476,18 +466,12 @@ class SafetensorsStreamWriter:
             raise ConversionError(f"{self.path.name}: wrote {self._next} of {len(self._expected)} tensors")
 
 
-def _nbytes(dtype, shape) -> int:
-    from megatron_dapo.model.safetensors_format import tensor_nbytes
-
-    return tensor_nbytes(dtype, shape)
-
-
 def _plan_shards(entries: list[tuple[str, Any, tuple]], max_bytes: int) -> list[list[tuple[str, Any, tuple]]]:
     """Split tensors (in order) into files of at most `max_bytes` (a bigger tensor gets its own file)."""
     shards: list[list] = [[]]
     size = 0
     for entry in entries:
-        nbytes = _nbytes(entry[1], entry[2])
+        nbytes = tensor_nbytes(entry[1], entry[2])
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -497,8 +481,6 @@ def _plan_shards(entries: list[tuple[str, Any, tuple]], max_bytes: int) -> list[
 
 
 def _find_hf_config(checkpoint: Path, hf_config_dir: Optional[Path]) -> Path:
-    from megatron_dapo.checkpoint.layout import HF_DIR
-
     candidates = ([hf_config_dir] if hf_config_dir else []) + [checkpoint / HF_DIR]
     for directory in candidates:
         if (directory / "config.json").is_file():
@@ -541,9 +523,6 @@ def convert_megatron_to_hf(
     `hf_config_dir`: where config.json / tokenizer files come from when the checkpoint has no hf/.
     `dtype`: cast the weights (default: as stored).
     """
-    from megatron_dapo.checkpoint.layout import resolve_checkpoint_dir
-    from megatron_dapo.model.hf_config import read_hf_config
-
     start = time.monotonic()
     megatron_dir, output = Path(megatron_dir), Path(output)
     if not megatron_dir.exists():
@@ -564,15 +543,6 @@ def convert_megatron_to_hf(
 
 def _export_hf(checkpoint: Path, side_dir: Path, cfg, output: Path, max_bytes: int, out_dtype, progress: bool) -> ConversionReport:
     """The body of `convert_megatron_to_hf`, writing into `output` (the staging directory)."""
-    import torch
-
-    from megatron_dapo.checkpoint.layout import DIST_DIR, copy_hf_side_files
-    from megatron_dapo.checkpoint.streaming import ChunkTargets, read_chunks
-    from megatron_dapo.checkpoint.template import checkpoint_template
-    from megatron_dapo.model.mapping import ModelShape
-
-    from megatron_dapo.checkpoint.torch_dist import stored_entries
-
     dist_dir = checkpoint / DIST_DIR
     stored = stored_entries(dist_dir)
     with _SingleProcessMegatron():
@@ -654,7 +624,7 @@ def _export_hf(checkpoint: Path, side_dir: Path, cfg, output: Path, max_bytes: i
 
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(_nbytes(d, s) for _, d, s in entries)},
+            "metadata": {"total_size": sum(tensor_nbytes(d, s) for _, d, s in entries)},
             "weight_map": {name: file_of[name] for name, _, _ in entries},
         }
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -662,123 +632,3 @@ def _export_hf(checkpoint: Path, side_dir: Path, cfg, output: Path, max_bytes: i
     notes = [f"from {checkpoint} (step {json.loads((checkpoint / 'metadata.json').read_text()).get('step')})",
              f"copied HF files: {', '.join(copied)}"]  # fmt: skip
     return ConversionReport(output, len(entries), total_bytes, 0.0, [], notes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-HF_TO_MEGATRON_DESCRIPTION = """\
-Convert a HuggingFace model directory (config.json + safetensors + tokenizer files) into a Megatron
-distributed checkpoint that `megatron-dapo train` loads (model.megatron_checkpoint=OUTPUT).
-
-Runs as one plain process on a CPU machine and streams: memory stays around one layer whatever the
-model size. The checkpoint stores global tensors, so it loads at ANY tensor / pipeline / data
-parallel layout; --tp/--pp/--vpp are checked against the model (heads, KV heads, layers) and recorded.
-Supported: Qwen2, Qwen2.5, Llama (incl. Llama 3 RoPE scaling), Qwen3 dense models.
-"""
-
-MEGATRON_TO_HF_DESCRIPTION = """\
-Export the model of a Megatron checkpoint (made by hf-to-megatron, or a training checkpoint saved at
-any layout) to a HuggingFace directory: safetensors shards (+ model.safetensors.index.json),
-config.json, tokenizer and generation config files. Optimizer state is ignored. Streams: memory
-stays around one layer. --megatron-dir may be a checkpoint directory or a directory of step_*
-checkpoints (the latest complete one is used).
-"""
-
-
-def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `convert hf-to-megatron` / tools/convert_hf_to_megatron.py."""
-    parser.add_argument("--hf-dir", required=True, help="HF model directory (config.json, *.safetensors, tokenizer files)")
-    parser.add_argument("--output", required=True, help="checkpoint directory to create (must be empty or absent)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to validate for (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to validate for (default 1)")
-    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (needs --pp > 1)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights to this dtype (default: keep the HF dtype)")
-    parser.add_argument("--overwrite", action="store_true", help="empty a non-empty --output first")
-    parser.add_argument("--verify-logits", action="store_true",
-                        help="afterwards load the result in Megatron and in transformers (float32, whole model in memory) "
-                             "and compare every block; fails naming the first block that diverges")  # fmt: skip
-    parser.add_argument("--verify-tol", type=float, default=1e-4, help="max |difference| for --verify-logits (default 1e-4)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `convert megatron-to-hf` / tools/convert_megatron_to_hf.py."""
-    parser.add_argument("--megatron-dir", required=True, help="checkpoint directory, or a directory of step_* checkpoints")
-    parser.add_argument("--output", required=True, help="HF directory to create (must be empty or absent)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights to this dtype (default: as stored)")
-    parser.add_argument("--hf-config-dir", default=None,
-                        help="HF directory to take config.json and tokenizer files from when the checkpoint has none")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true", help="empty a non-empty --output first")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`megatron-dapo convert {hf-to-megatron, megatron-to-hf}`."""
-    directions = parser.add_subparsers(dest="direction", metavar="<direction>")
-    hf = directions.add_parser("hf-to-megatron", help="HF model directory -> Megatron distributed checkpoint",
-                               description=HF_TO_MEGATRON_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_hf_to_megatron_arguments(hf)
-    back = directions.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF model directory (safetensors)",
-                                 description=MEGATRON_TO_HF_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_megatron_to_hf_arguments(back)
-
-
-def _report(report: ConversionReport) -> None:
-    print(f"wrote {report.output}: {report.tensors} tensors, {report.bytes / 1e9:.3f} GB in {report.seconds:.1f}s")
-    for note in report.notes:
-        print(f"  {note}")
-
-
-def _guarded(fn, args) -> int:
-    from megatron_dapo.trainer.startup import disk_full_error
-
-    try:
-        _report(fn(args))
-    except (ConversionError, FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
-    except BaseException as err:  # a write that failed (torch's CheckpointException is a BaseException)
-        output = Path(args.output)
-        full = disk_full_error(err, output.parent if output.parent.exists() else Path("."))
-        if full is None and not isinstance(err, OSError):
-            raise
-        if full is not None:
-            reason, fix = f"no space left on the disk of {output.parent}", "free some space or choose another --output"
-        else:
-            reason, fix = str(err), "check that the directory is writable, or choose another --output"
-        print(f"error: writing {output} failed ({reason}); it is left as it was (the partial output was removed): "
-              f"{fix}, then run the command again", file=sys.stderr)  # fmt: skip
-        return 1
-    return 0
-
-
-def run_hf_to_megatron(args: argparse.Namespace) -> int:
-    return _guarded(
-        lambda a: convert_hf_to_megatron(a.hf_dir, a.output, a.tp, a.pp, a.vpp, a.dtype, overwrite=a.overwrite,
-                                         verify_logits=a.verify_logits, verify_tol=a.verify_tol,
-                                         progress=not a.no_progress),  # fmt: skip
-        args,
-    )
-
-
-def run_megatron_to_hf(args: argparse.Namespace) -> int:
-    return _guarded(
-        lambda a: convert_megatron_to_hf(a.megatron_dir, a.output, a.max_shard_size, a.dtype,
-                                         hf_config_dir=a.hf_config_dir, overwrite=a.overwrite,
-                                         progress=not a.no_progress),  # fmt: skip
-        args,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.direction == "hf-to-megatron":
-        return run_hf_to_megatron(args)
-    if args.direction == "megatron-to-hf":
-        return run_megatron_to_hf(args)
-    print("usage: megatron-dapo convert {hf-to-megatron,megatron-to-hf} ... (see --help)", file=sys.stderr)
-    return 2

@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_dapo.checkpoint import integrity
 from megatron_dapo.checkpoint.layout import (
@@ -79,6 +81,18 @@ from megatron_dapo.checkpoint.optimizer_state import (
     optimizer_kind,
     sharding_metadata,
 )
+from megatron_dapo.errors import StopError
+import megatron_dapo
+from megatron_dapo.checkpoint.layout import list_checkpoints
+from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_dapo.checkpoint.torch_dist import (
+    CheckpointLayoutError,
+    CheckpointMismatchError,
+    check_against_checkpoint,
+    load_sharded,
+    save_sharded,
+)
+from megatron_dapo.model.builder import unwrap_model
 
 __all__ = [
     "CheckpointCorruptError",
@@ -104,7 +118,7 @@ contents.optimizer_sharding; version 1 checkpoints (no checksums, fully_resharda
 PathLike = Union[str, os.PathLike]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StopError, RuntimeError):
     """A save or load step failed (on this rank or another one)."""
 
 
@@ -143,8 +157,6 @@ class LoadedCheckpoint:
 
 def versions() -> dict[str, str]:
     """Library versions recorded in every checkpoint."""
-    import megatron_dapo
-
     try:
         from megatron.core.package_info import __version__ as mcore_version
     except ImportError:  # pragma: no cover - every supported Megatron has package_info
@@ -159,9 +171,6 @@ def versions() -> dict[str, str]:
 
 def current_layout(num_chunks: int = 1) -> dict[str, Any]:
     """The parallel layout of this job, from Megatron's parallel state."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -173,8 +182,6 @@ def current_layout(num_chunks: int = 1) -> dict[str, Any]:
 
 
 def _unwrap(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    from megatron_dapo.model.builder import unwrap_model
-
     chunks = [unwrap_model(m) for m in models]
     if not chunks:
         raise ValueError("no model chunks given")
@@ -215,15 +222,11 @@ def _config_dict(config: Any) -> Any:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank()
 
 
 def _rank0_then_share(fn, what: str) -> Any:
     """Run `fn` on rank 0; every rank returns its (picklable) result or raises its failure."""
-    import torch.distributed as dist
-
     result, error, exc = None, None, None
     if dist.get_rank() == 0:
         try:
@@ -242,8 +245,6 @@ def _rank0_then_share(fn, what: str) -> Any:
 
 def _all_ranks_ok(local_error: Optional[BaseException], what: str) -> None:
     """Agree on success: if any rank failed, every rank raises (the failing one with its own error)."""
-    import torch.distributed as dist
-
     # NCCL reduces CUDA tensors only; gloo (CPU runs) CPU tensors.
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int64, device=device)
@@ -330,8 +331,6 @@ def _publish(root: Path, tmp: Path, final: Path, metadata: dict, trainer_state: 
 
 def _data_parallel_group() -> Any:
     """The group Megatron shards the distributed optimizer over (DP x CP): the save is spread over it."""
-    from megatron.core import parallel_state as ps
-
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
@@ -366,11 +365,6 @@ def save_checkpoint(
     writing of DP-replicated tensors out among the DP ranks (else DP rank 0 writes them).
     `checksums`: record per-file checksums in metadata.json (checked before every load).
     """
-    import torch.distributed as dist
-
-    from megatron_dapo.checkpoint.rng import capture_rng_state
-    from megatron_dapo.checkpoint.torch_dist import save_sharded
-
     if trainer_state is not None:
         json.dumps(trainer_state, default=_json_default)  # fail before any collective if it cannot be saved
     if optimizer_format not in OPTIMIZER_FORMATS:
@@ -453,8 +447,6 @@ def save_checkpoint(
 
 def _gather_bucket_layouts(optimizer: Any) -> dict:
     """Every model-parallel rank's gradient-bucket sizes (the layout of dp_reshardable state)."""
-    import torch.distributed as dist
-
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, bucket_layout(optimizer))
     merged: dict = {}
@@ -486,8 +478,6 @@ def verify_checkpoint(
     state, trainer_state.json with `required_state` keys); then, with `contents`, the files are
     shared out among the ranks by size and each recomputes the checksums of its share.
     """
-    import torch.distributed as dist
-
     directory = Path(directory)
     metadata = read_metadata(directory) if metadata is None else metadata
     problems = _rank0_then_share(
@@ -536,8 +526,6 @@ def _describe_layout(layout: dict) -> str:
 def _check_optimizer_fits(directory: Path, metadata: dict, optimizer: Any, num_chunks: int) -> str:
     """The optimizer format to load with; raises CheckpointMismatchError / CheckpointLayoutError
     (collectively) when the checkpoint's optimizer state cannot be loaded into `optimizer` here."""
-    from megatron_dapo.checkpoint.torch_dist import CheckpointLayoutError, CheckpointMismatchError
-
     contents = metadata.get("contents", {})
     saved_kind = contents.get("optimizer")
     if not saved_kind:
@@ -582,16 +570,12 @@ def _check_optimizer_fits(directory: Path, metadata: dict, optimizer: Any, num_c
 
 def _first_on_any_rank(message: Optional[str]) -> Optional[str]:
     """The first non-None message of any rank (so that every rank raises together)."""
-    import torch.distributed as dist
-
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, message)
     return next((m for m in gathered if m is not None), None)
 
 
 def _reshardable_hint(root: Path) -> str:
-    from megatron_dapo.checkpoint.layout import list_checkpoints
-
     found = []
     for step, path in list_checkpoints(root):
         try:
@@ -630,9 +614,6 @@ def load_checkpoint(
     """
     directory = resolve_checkpoint_dir(path)  # fails fast, before Megatron is even imported
     metadata = read_metadata(directory)
-
-    from megatron_dapo.checkpoint.rng import restore_rng_state
-    from megatron_dapo.checkpoint.torch_dist import check_against_checkpoint, load_sharded
 
     contents = metadata.get("contents", {})
     chunks = _unwrap(models)

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
+from torch.distributed.checkpoint import FileSystemReader
+
 __all__ = [
     "MANIFEST_KEY",
     "assign_files",
@@ -189,8 +191,6 @@ def _dcp_problems(root: Path, dist_dir: str, skip: set) -> list[str]:
     if not index.is_file():
         return problems + [f"{dist_dir}/.metadata (the index of the tensors) is missing"]
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-
         meta = FileSystemReader(str(dist)).read_metadata()
         storage = dict(meta.storage_data or {})
         keys = set(meta.state_dict_metadata)

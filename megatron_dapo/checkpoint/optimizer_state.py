@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 __all__ = [
     "OPTIMIZER_FORMATS",
@@ -59,10 +60,9 @@ def inner_optimizers(optimizer: Any) -> list:
 
 def optimizer_kind(optimizer: Any) -> str:
     """"distributed" (ZeRO-1 DistributedOptimizer) or "local" (each DP rank holds the full state)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     kinds = {"distributed" if isinstance(o, DistributedOptimizer) else "local" for o in inner_optimizers(optimizer)}
     if len(kinds) != 1:
+        # checkpoint.core imports this module (optimizer formats) and defines CheckpointError: a cycle.
         from megatron_dapo.checkpoint.core import CheckpointError
 
         raise CheckpointError(f"mixed optimizer kinds {sorted(kinds)} are not supported by checkpointing")
@@ -79,8 +79,6 @@ def layout_change(saved: dict, now: dict) -> Optional[str]:
 def bucket_layout(optimizer: Any) -> dict[str, list]:
     """This rank's gradient-bucket element counts per distributed optimizer, keyed by
     "<optimizer index>:<model-parallel rank>" (what `dp_reshardable` state is laid out by)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     layout = {}
     for index, inner in enumerate(inner_optimizers(optimizer)):
         if isinstance(inner, DistributedOptimizer):
@@ -151,9 +149,7 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
     split the two halves and hide "step" during the copy (under no_grad); with Apex / TE optimizers
     there is no per-parameter step and this is the plain call.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from megatron_dapo.checkpoint.core import CheckpointError
+    from megatron_dapo.checkpoint.core import CheckpointError  # cycle: see optimizer_kind
 
     inner = inner_optimizers(optimizer)
     parts = [state_dict] if len(inner) == 1 else [state_dict[k] for k in sorted(state_dict)]

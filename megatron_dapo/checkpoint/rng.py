@@ -13,13 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 __all__ = ["capture_rng_state", "restore_rng_state"]
 
 
 def _tracker():
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     return get_cuda_rng_tracker()
 
 

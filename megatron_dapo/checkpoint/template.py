@@ -22,8 +22,12 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
 from megatron_dapo.model.hf_config import HFModelConfig
+from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.model.builder import build_gpt_models, check_against_hf
 
 __all__ = ["CheckpointTemplate", "ChunkSpec", "checkpoint_template", "parameters_on_meta"]
 
@@ -102,12 +106,6 @@ def checkpoint_template(cfg: HFModelConfig, dtype: torch.dtype = torch.float32) 
 
     Raises ValueError (from `check_against_hf`) if the model Megatron builds differs from the config.
     """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
-
-    from megatron_dapo.distributed.layout import ParallelLayout
-    from megatron_dapo.model.builder import build_gpt_models, check_against_hf
-
     with parameters_on_meta():
         (model,) = build_gpt_models(cfg, ParallelLayout(1, 1), dtype, transformer_engine="off", init_weights=False)
     check_against_hf([model], cfg)  # the model Megatron built is the one config.json describes

@@ -40,6 +40,9 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = [
     "CheckpointLayoutError",
@@ -116,8 +119,6 @@ def save_sharded(
         strategy = InProcessTorchDistSaveStrategy("torch_dist", 1)
         strategy.writer_threads = max(1, int(threads))
         if parallel_group is not None:
-            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
             # Positional: (strategy, group, do_cache_distribution) in megatron-core 0.16 and 0.19.
             strategy = FullyParallelSaveStrategyWrapper(strategy, parallel_group, False)
     dist_checkpointing.save(sharded_state_dict, str(directory), sharded_strategy=strategy)
@@ -130,8 +131,6 @@ def load_sharded(sharded_state_dict: dict, directory: Union[str, os.PathLike]) -
 
 def stored_entries(directory: Union[str, os.PathLike]) -> dict[str, Any]:
     """Key -> DCP storage metadata (TensorStorageMetadata with .size / BytesStorageMetadata) of a checkpoint."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     return dict(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
 
 
@@ -147,8 +146,6 @@ def check_against_checkpoint(sharded_state_dict: Any, directory: Union[str, os.P
     vocabulary, may differ). Replaces requested `_extra_state` objects the checkpoint lacks by
     None in place and returns their keys.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     stored = stored_entries(directory)
     missing: list[str] = []
     shapes: list[str] = []

@@ -12,8 +12,6 @@ import argparse
 import json
 import sys
 
-from megatron_dapo.config import ConfigError, config_to_dict, load_config, skipped_model_checks
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML file (omit to start from the built-in defaults)")
@@ -22,22 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_dapo.config import config_to_dict, load_config, skipped_model_checks
     from megatron_dapo.trainer.startup import check_model_files, check_reward_function
 
     config_path, overrides = args.config, list(args.overrides)
     if config_path is not None and "=" in config_path:
         config_path, overrides = None, [config_path, *overrides]
-    try:
-        cfg = load_config(config_path, overrides)
-        if args.world_size is not None:
-            cfg.resolve_world(args.world_size)
-        check_reward_function(cfg)
-        skipped = skipped_model_checks(cfg)
-        if skipped is None:
-            check_model_files(cfg)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(config_path, overrides)
+    if args.world_size is not None:
+        cfg.resolve_world(args.world_size)
+    check_reward_function(cfg)
+    skipped = skipped_model_checks(cfg)
+    if skipped is None:
+        check_model_files(cfg)
     print(json.dumps(config_to_dict(cfg), indent=2))
     if skipped is not None:
         print(f"note: {skipped}", file=sys.stderr)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from pathlib import Path
+
+from megatron_dapo.cli.train import guarded
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 
 # The demo model: Qwen2-shaped, ~0.8M parameters. head_dim = 128 / 4 = 32.
 DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
-_QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,16 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2")
 
 
+def workspace_paths(root: Path) -> dict[str, Path]:
+    """Where `prepare_workspace` puts the demo's model and data under `root`."""
+    return {"model": root / "model", "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
+            "sft": root / "data" / "sft.jsonl"}  # fmt: skip
+
+
 def prepare_workspace(root: Path, seed: int, num_train: int = 8000, num_val: int = 128, max_operand: int = 50) -> dict[str, Path]:
     """Create the demo's model, tokenizer and data under `root` (idempotent; deterministic in `seed`)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from megatron_dapo.data.arithmetic import build_tokenizer, worked_solution, ArithmeticProblem
-    from megatron_dapo.data.prepare import read_records, write_arithmetic_dataset, write_records
+    from megatron_dapo.data.arithmetic import build_tokenizer, write_arithmetic_dataset
 
-    paths = {"model": root / "model", "train": root / "data" / "train.parquet", "val": root / "data" / "val.parquet",
-             "sft": root / "data" / "sft.jsonl"}  # fmt: skip
+    paths = workspace_paths(root)
     ready = root / ".ready"
     recipe = {"seed": seed, "model": DEMO_MODEL, "num_train": num_train, "num_val": num_val, "max_operand": max_operand}
     if ready.exists() and json.loads(ready.read_text()) == recipe:
@@ -66,13 +70,7 @@ def prepare_workspace(root: Path, seed: int, num_train: int = 8000, num_val: int
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(paths["model"])
     tokenizer.save_pretrained(str(paths["model"]))
-    write_arithmetic_dataset(root / "data", num_train=num_train, num_val=num_val, seed=seed, max_operand=max_operand)
-    sft_records = []
-    for record in read_records(paths["train"]):
-        a, op, b = _QUESTION.search(record["extra_info"]["question"]).groups()
-        problem = ArithmeticProblem(record["extra_info"]["question"], record["reward_model"]["ground_truth"], int(a), int(b), op)
-        sft_records.append({**record, "response": worked_solution(problem)})
-    write_records(sft_records, paths["sft"])
+    write_arithmetic_dataset(root / "data", num_train=num_train, num_val=num_val, seed=seed, max_operand=max_operand, sft_file=paths["sft"])
     ready.write_text(json.dumps(recipe))
     return paths
 
@@ -99,18 +97,11 @@ def _val_accuracy(metrics_file: Path) -> list[tuple[int, float]]:
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
     from megatron_dapo.distributed.setup import resolve_launch_env
-    from megatron_dapo.trainer.sft import run_sft
-    from megatron_dapo.cli.train import guarded
     from megatron_dapo.trainer.loop import train
+    from megatron_dapo.trainer.sft import run_sft
 
     root = Path(args.workspace)
-    launch = resolve_launch_env(os.environ, free_port=0)
-    started = time.perf_counter()
-    if launch.rank == 0:
-        paths = prepare_workspace(root, seed=7, max_operand=args.max_operand)
-    else:
-        _wait_for(root / ".ready")
-        paths = prepare_workspace(root, seed=7, max_operand=args.max_operand)
+    paths = workspace_paths(root)
     overrides = [
         f"model.hf_dir={paths['model']}",
         f"data.train_files=[{paths['train']}]",
@@ -120,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
         f"trainer.output_dir={root / 'dapo'}",
         *args.overrides,
     ]
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # a mistyped override stops here, before the workspace is built
+    launch = resolve_launch_env(os.environ, free_port=0)
+    started = time.perf_counter()
+    if launch.rank != 0:
+        _wait_for(root / ".ready")
+    prepare_workspace(root, seed=7, max_operand=args.max_operand)  # rank 0 builds it; the others find it ready
     say = print if launch.rank == 0 else (lambda *a, **k: None)
     sft_root = Path(cfg.sft.output_dir) / "checkpoints"
 

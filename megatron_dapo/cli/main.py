@@ -1,15 +1,20 @@
 """`megatron-dapo` command line: one entry point, one subcommand per job.
 
-Subcommands live in their own modules, each exposing `add_arguments(parser)` and `run(args) -> int`.
-Those modules keep heavy imports (torch, Megatron, engines) inside `run`, so `--help` is fast and an
-optional engine that is not installed never breaks an unrelated command.
+Each command is one module of this package exposing `add_arguments(parser)` and `run(args) -> int`,
+and returns through `run_command`, the one error handler. The command modules import the library
+inside `run` (this package is the only place with such lazy imports), so `--help` imports no torch
+and an optional engine that is not installed never breaks an unrelated command.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
+
+from megatron_dapo import errors
 
 # name -> (module, one-line help). Order is the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -18,13 +23,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "the main job on a CPU: a tiny model learns arithmetic (workspace, SFT warm start, then DAPO)",
     ),
     "train": ("megatron_dapo.cli.train", "DAPO training (every rank; torchrun / srun / one process), --resume to continue"),
-    "sft": ("megatron_dapo.trainer.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
-    "prepare-data": ("megatron_dapo.data.prepare", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
-    "plan": ("megatron_dapo.plan.memory", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
-    "doctor": ("megatron_dapo.doctor.preflight", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
+    "sft": ("megatron_dapo.cli.sft", "supervised warm start with the actor's update step (cross-entropy), the DAPO run's starting point"),
+    "prepare-data": ("megatron_dapo.cli.prepare_data", "write the verl/DAPO dataset schema from a jsonl of {question, answer}"),
+    "plan": ("megatron_dapo.cli.plan", "per-GPU memory plan of a config on a cluster shape, and the largest micro-batch token budget"),
+    "doctor": ("megatron_dapo.cli.doctor", "pre-flight of this node or, under srun/torchrun, every node of a job: versions, GPUs, memory, disk, network"),
     "config": ("megatron_dapo.cli.config", "print the resolved configuration of a YAML file + overrides, or its error"),
-    "convert": ("megatron_dapo.checkpoint.conversion", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
-    "check-sync": ("megatron_dapo.rollout.sync.check", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
+    "convert": ("megatron_dapo.cli.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
+    "check-sync": ("megatron_dapo.cli.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
 }
 
 
@@ -44,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_known_warnings() -> None:
     """torch.distributed and Megatron-Core deprecation notices about APIs they call themselves: not
     the user's concern, and they bury the training table (PYTHONWARNINGS=default shows them)."""
-    import warnings
-
     if not sys.warnoptions:
         for module in (r"torch\.distributed", r"megatron", r"megatron_dapo\.distributed\.cpu_compat"):
             warnings.filterwarnings("ignore", category=FutureWarning, module=module)
@@ -89,8 +92,6 @@ def run_command(run, args: argparse.Namespace) -> int:
     """Run one command under the one error handler every command shares (`megatron_dapo.errors`):
     bad input -> "megatron-dapo: error: ..." and exit 2, a reason to stop -> the same prefix and
     exit 1, anything else -> the traceback (a bug). Multi-rank runs name the rank that failed."""
-    from megatron_dapo import errors
-
     try:
         return int(run(args) or 0)
     except Exception as error:
@@ -101,10 +102,23 @@ def run_command(run, args: argparse.Namespace) -> int:
         return code
 
 
+def sort_trailing_options(args: argparse.Namespace, add_options, prog: str) -> argparse.Namespace:
+    """Options that followed a positional ended up in `args.overrides` (argparse's REMAINDER takes
+    everything after the first override): parse them out with the options `add_options` declares."""
+    if not any(item.startswith("-") for item in args.overrides):
+        return args
+    rest = argparse.ArgumentParser(prog=prog, add_help=False, argument_default=argparse.SUPPRESS)
+    add_options(rest)
+    rest.add_argument("overrides", nargs="*")
+    parsed = vars(rest.parse_intermixed_args(args.overrides))
+    args.overrides = []
+    for key, value in parsed.items():
+        setattr(args, key, value)
+    return args
+
+
 def rank_suffix() -> str:
     """" (rank N)" in a job of several ranks (torchrun / srun), else empty: which process said it."""
-    import os
-
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
     world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
     return f" (rank {rank})" if rank is not None and world not in (None, "1") else ""

@@ -1,4 +1,4 @@
-"""`megatron-dapo train` and `megatron-dapo sft`: the jobs, on every rank (torchrun, srun or alone).
+"""`megatron-dapo train`: the DAPO job, on every rank (torchrun, srun or alone).
 
     megatron-dapo train configs/tiny_cpu.yaml [--resume] [key=value ...]     (or --config configs/tiny_cpu.yaml)
     torchrun --nproc_per_node 2 -m megatron_dapo.cli train --config configs/tiny_cpu.yaml parallel.tp=2
@@ -23,10 +23,11 @@ SIGTERM (SLURM preemption, a time limit) ends the job with exit code 143:
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
+
+from megatron_dapo.cli.main import rank_suffix
 
 EXIT_SIGTERM = 143  # 128 + SIGTERM, also the trainer's exit code after a preemption checkpoint
 
@@ -59,7 +60,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_config_argument(args: argparse.Namespace) -> None:
     """Accept `train CONFIG k=v ...` as well as `train --config CONFIG k=v ...`: a first positional
     argument that is not a dotted override is the config file. Exactly one config must be given
-    (a `config.ConfigError` otherwise, which `guarded` turns into one line and exit code 2)."""
+    (a `config.ConfigError` otherwise: one line and exit code 2)."""
     from megatron_dapo.config import ConfigError
 
     positional = list(args.overrides)
@@ -88,49 +89,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def guarded(fn) -> int:
-    """Configuration and data errors: one clear line and exit code 2 (1 when dynamic sampling runs
-    dry), not a traceback. SIGTERM outside a training loop (which installs its own handler, see
-    `trainer.DAPOTrainer.fit`): one line and exit code 143, instead of the signal's default action."""
+    """Run the job `fn` (every rank); 0 when it returns. SIGTERM outside a training loop (which
+    installs its own handler, see `trainer.loop.DAPOTrainer.fit`): one line and exit code 143,
+    instead of the signal's default action. Errors pass on to the one handler (`cli.main.run_command`)."""
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
     try:
-        return _run_guarded(fn)
+        fn()
+        return 0
     except StoppedOutsideTraining:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         _close_process_groups()
-        print(f"megatron-dapo: stopped by SIGTERM{_rank_suffix()} outside the training loop (start-up or shut-down): "
+        print(f"megatron-dapo: stopped by SIGTERM{rank_suffix()} outside the training loop (start-up or shut-down): "
               f"no checkpoint written; exit code {EXIT_SIGTERM}", file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_SIGTERM
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _run_guarded(fn) -> int:
-    from megatron_dapo.config import ConfigError
-    from megatron_dapo.data.dataset import DatasetError
-
-    from megatron_dapo.algorithm.sampling import DynamicSamplingExhausted
-    from megatron_dapo.trainer.startup import DiskFullError
-
-    try:
-        fn()
-    except (ConfigError, DatasetError, FileNotFoundError) as error:
-        print(f"megatron-dapo: error: {error}", file=sys.stderr)
-        return 2
-    except DynamicSamplingExhausted as error:  # the data, not the program: say what to change
-        print(f"megatron-dapo: stopped: {error}", file=sys.stderr)
-        return 1
-    except DiskFullError as error:  # `runtime.stop_on_full_disk`: the first write that failed, and what to do
-        print(f"megatron-dapo: stopped: {error.strerror}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _rank_suffix() -> str:
-    rank, world = os.environ.get("RANK") or os.environ.get("SLURM_PROCID"), os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
-    return f" (rank {rank})" if rank is not None and world not in (None, "1") else ""
 
 
 def _close_process_groups() -> None:
@@ -147,7 +123,7 @@ def _close_process_groups() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.startup import stop_on_full_disk
+    from megatron_dapo.checkpoint.disk_full import stop_on_full_disk
     from megatron_dapo.trainer.loop import train
 
     def job() -> None:

@@ -1,9 +1,9 @@
 """A synthetic arithmetic task in the DAPO format, and the small tokenizer the CPU demo trains with.
 
 The problems are short additions and subtractions ("What is 37 + 58?") whose answer is an integer,
-so the DAPO rule-based math reward scores them exactly. Prompts use the DAPO instruction template
-(the same text as the DAPO-Math-17k dataset), so the demo exercises the real reward path: the
-model must end its response with an `Answer: <number>` line.
+so the DAPO rule-based math reward scores them exactly. The records are the verl/DAPO schema of
+`data.prepare` (the DAPO-Math instruction template), so the demo exercises the real reward path:
+the model must end its response with an `Answer: <number>` line.
 
 The tokenizer is a byte-level BPE trained on the fly on this task's own text (no download),
 with digits split one per token (so numbers are spelled digit by digit, which a tiny model can
@@ -16,12 +16,23 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Optional, Union
 
-DAPO_INSTRUCTION_PREFIX = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-)
-DAPO_INSTRUCTION_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megatron_dapo.data.prepare import dapo_prompt, make_record, write_records
+
+__all__ = [
+    "ARITHMETIC_DATA_SOURCE",
+    "ArithmeticProblem",
+    "build_tokenizer",
+    "make_problems",
+    "worked_solution",
+    "write_arithmetic_dataset",
+]
+
+ARITHMETIC_DATA_SOURCE = "synthetic/arithmetic"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -34,11 +45,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def dapo_prompt(question: str) -> str:
-    """The DAPO-Math instruction wrapped around a question."""
-    return f"{DAPO_INSTRUCTION_PREFIX}{question}{DAPO_INSTRUCTION_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -87,25 +93,11 @@ def worked_solution(problem: ArithmeticProblem) -> str:
     return "\n".join(steps + [f"{a} {op} {b} = {problem.answer}", f"Answer: {problem.answer}"])
 
 
-def to_dapo_record(problem: ArithmeticProblem, index: int, split: str) -> dict:
-    """One row of the verl/DAPO dataset schema."""
-    return {
-        "data_source": "synthetic/arithmetic",
-        "prompt": [{"role": "user", "content": dapo_prompt(problem.question)}],
-        "ability": "MATH",
-        "reward_model": {"style": "rule", "ground_truth": problem.answer},
-        "extra_info": {"index": index, "split": split, "question": problem.question, "answer": problem.answer},
-    }
-
-
 def build_tokenizer(vocab_size: int = 384, save_dir: str | Path | None = None):
     """Train the demo's byte-level BPE tokenizer on this task's text; return a HF fast tokenizer.
 
     Deterministic: the same corpus and settings give the same vocabulary on every machine.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -133,3 +125,61 @@ def build_tokenizer(vocab_size: int = 384, save_dir: str | Path | None = None):
     if save_dir is not None:
         fast.save_pretrained(str(save_dir))
     return fast
+
+
+def _distinct_problem_count(max_operand: int) -> int:
+    """Distinct questions `make_problems` can produce with ops "+-": all a+b, and a-b with a >= b."""
+    values = max_operand + 1
+    return values * values + values * (values + 1) // 2
+
+
+def _problem_stream(seed: int, max_operand: int) -> Iterator[ArithmeticProblem]:
+    """Endless deterministic arithmetic problems (chunks of `make_problems` with derived seeds)."""
+    chunk = 0
+    while True:
+        yield from make_problems(1024, seed=seed * 1_000_003 + chunk, max_operand=max_operand)
+        chunk += 1
+
+
+def write_arithmetic_dataset(
+    out_dir: Union[str, Path], num_train: int, num_val: int, seed: int, max_operand: int = 50,
+    sft_file: Optional[Union[str, Path]] = None,
+) -> tuple[Path, Path]:
+    """Write the arithmetic demo's ``train.parquet`` and ``val.parquet`` under `out_dir`; return their paths.
+
+    The validation questions are distinct and never appear in the training set (training questions
+    may repeat), so validation accuracy measures generalisation rather than recall. Deterministic in
+    (num_train, num_val, seed, max_operand). `sft_file`: also write the training records there with
+    a ``response`` field, their `worked_solution` (the supervised warm start's data).
+    """
+    if num_train < 1 or num_val < 1:
+        raise ValueError(f"need num_train >= 1 and num_val >= 1, got {num_train} and {num_val}")
+    universe = _distinct_problem_count(max_operand)
+    if num_val >= universe:
+        raise ValueError(
+            f"max_operand={max_operand} allows only {universe} distinct problems; num_val={num_val} would leave none for training"
+        )
+    val_problems, held_out = [], set()
+    for problem in _problem_stream(seed * 2 + 1, max_operand):
+        if len(val_problems) == num_val:
+            break
+        if problem.question not in held_out:
+            held_out.add(problem.question)
+            val_problems.append(problem)
+    train_problems = []
+    for problem in _problem_stream(seed * 2, max_operand):
+        if len(train_problems) == num_train:
+            break
+        if problem.question not in held_out:
+            train_problems.append(problem)
+    out_dir = Path(out_dir)
+
+    def records(problems: list[ArithmeticProblem], split: str) -> list[dict]:
+        return [make_record(p.question, p.answer, index=i, split=split, data_source=ARITHMETIC_DATA_SOURCE) for i, p in enumerate(problems)]
+
+    train_records = records(train_problems, "train")
+    train_path = write_records(train_records, out_dir / "train.parquet")
+    val_path = write_records(records(val_problems, "test"), out_dir / "val.parquet")
+    if sft_file is not None:
+        write_records([{**r, "response": worked_solution(p)} for r, p in zip(train_records, train_problems)], sft_file)
+    return train_path, val_path

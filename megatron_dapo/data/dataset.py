@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Sequence, Union, overload
 
 import numpy as np
+import pyarrow.parquet as pq
+
+from megatron_dapo.errors import InputError
 
 __all__ = [
     "DatasetError",
@@ -55,7 +58,7 @@ _TOKENIZE_BATCH = 2048
 _DEFAULT_DATA_SOURCE = "unknown"
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError, ValueError):
     """A dataset that cannot be used; the message names the file, the row and what to change."""
 
 
@@ -138,8 +141,6 @@ def iter_records(path: Union[str, Path], columns: Optional[Sequence[str]] = None
 
 
 def _iter_parquet(path: Path, columns: Optional[Sequence[str]], name: str) -> Iterator[tuple[str, dict]]:
-    import pyarrow.parquet as pq
-
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises several types for a corrupt or non-parquet file

@@ -43,11 +43,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 __all__ = [
     "micro_batch_cost",
     "split_into_micro_batches",
     "pad_overhead",
+    "round_up",
     "PackedBatch",
     "pack_sequences",
     "unpack",
@@ -65,11 +67,6 @@ def micro_batch_cost(lengths: Sequence[int], packed: bool) -> int:
     if not lengths:
         return 0
     return sum(lengths) if packed else max(lengths) * len(lengths)
-
-
-def _fits(bin_lengths: Sequence[int], budget: int, packed: bool) -> bool:
-    # A single over-long sequence is allowed its own micro-batch.
-    return len(bin_lengths) <= 1 or micro_batch_cost(bin_lengths, packed) <= budget
 
 
 def _best_fit_decreasing(order: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -310,7 +307,8 @@ def pad_overhead(micro_batches: Sequence[Sequence[int]], seq_lengths: Sequence[i
 # ----------------------------------------------------------------------------- packed (THD) inputs
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (a padded length)."""
     return -(-n // multiple) * multiple
 
 
@@ -352,8 +350,6 @@ class PackedBatch:
         Every offset field is ``cu_seqlens_padded`` (one object) and ``max_seqlen`` the longest slot:
         see the module docstring for why the real offsets are not passed.
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         offsets = self.cu_seqlens_padded
         return PackedSeqParams(
             qkv_format="thd",
@@ -385,7 +381,7 @@ def pack_sequences(
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     _check_masks(sequences, loss_masks)
     lengths = [int(s.numel()) for s in sequences]
-    slots = [_round_up(n, pad_to_multiple_of) for n in lengths]
+    slots = [round_up(n, pad_to_multiple_of) for n in lengths]
     total = sum(slots)
     device = sequences[0].device if sequences else torch.device("cpu")
     dtype = sequences[0].dtype if sequences else torch.long
@@ -459,7 +455,7 @@ def pad_sequences(
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     _check_masks(sequences, loss_masks)
     lengths = [int(s.numel()) for s in sequences]
-    width = _round_up(max(lengths, default=0), pad_to_multiple_of)
+    width = round_up(max(lengths, default=0), pad_to_multiple_of)
     device = sequences[0].device if sequences else torch.device("cpu")
     dtype = sequences[0].dtype if sequences else torch.long
     input_ids = torch.full((len(sequences), width), pad_token_id, dtype=dtype, device=device)

@@ -12,7 +12,8 @@ after epoch. A global batch is the next `batch_size` indices of that stream, so:
   same order bit for bit.
 
 Every rank builds the same sampler from the same seed and gets the same global batch without any
-communication; `shard_for_rank` then gives each data-parallel rank its contiguous share.
+communication; `shard_for_rank` then gives each data-parallel rank its contiguous share (the same
+rule splits the validation set among the rollout replicas).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from typing import Any, Sequence, TypeVar
 
 import numpy as np
+
+from megatron_dapo.config import ConfigError
 
 __all__ = ["PromptSampler", "shard_for_rank"]
 
@@ -115,8 +118,6 @@ class PromptSampler:
         if int(state["seed"]) != self.seed:
             mismatches.append(f"data.seed is {self.seed} but was {state['seed']}")
         if mismatches:
-            from megatron_dapo.config import ConfigError  # a ValueError; the CLI reports it in one line
-
             raise ConfigError(
                 "cannot resume the prompt order of the checkpoint: " + "; ".join(mismatches) + ". To resume, set "
                 "them back to the values the checkpoint was written with (its metadata.json records them under "
@@ -134,20 +135,23 @@ class PromptSampler:
         )
 
 
-def shard_for_rank(items: Sequence[T], rank: int, world: int) -> list[T]:
-    """Rank `rank`'s contiguous equal share of `items` among `world` data-parallel ranks.
+def shard_for_rank(items: Sequence[T], rank: int, world: int, *, even: bool = True) -> list[T]:
+    """Rank `rank`'s contiguous share of `items` among `world` ranks: the one sharding rule of prompts.
 
-    Rank r gets ``items[r * k : (r + 1) * k]`` with ``k = len(items) // world``; concatenating the
-    shares of ranks 0..world-1 gives back `items`. Raises ValueError when the split is not even.
+    Rank r gets ``items[r * len // world : (r + 1) * len // world]``: shares differ in size by at
+    most one, and concatenating the shares of ranks 0..world-1 gives back `items`. When `world`
+    divides the length, rank r gets ``items[r * k : (r + 1) * k]`` with ``k = len(items) // world``.
+
+    `even` (training batches: every data-parallel rank must hold the same number of samples): raise
+    ValueError when the split is not even. A validation set has whatever size it has: ``even=False``.
     """
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside 0..{world - 1}")
-    if len(items) % world:
+    if even and len(items) % world:
         raise ValueError(
             f"cannot split {len(items)} items evenly over {world} data-parallel ranks; "
             f"use a batch size that is a multiple of {world}"
         )
-    share = len(items) // world
-    return list(items[rank * share : (rank + 1) * share])
+    return list(items[rank * len(items) // world : (rank + 1) * len(items) // world])

@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from megatron.core.tensor_parallel import random as mcore_random
+from torch.autograd.function import BackwardCFunction
 
 __all__ = ["enable_cpu_compat", "cpu_compat_enabled", "CudaToCpuMode"]
 
@@ -131,8 +133,6 @@ def _patch_autograd_function_backward() -> None:
     sequence-parallel reduce-scatter buffer in `LinearWithGradAccumulationAndAsyncCommunication`).
     The autograd engine calls `BackwardCFunction.apply` for every Python function's backward.
     """
-    from torch.autograd.function import BackwardCFunction
-
     original = BackwardCFunction.apply
 
     def apply_under_mode(self, *args):
@@ -240,8 +240,6 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
 def _patch_megatron_rng() -> None:
     # Megatron's own helpers go through torch.cuda.default_generators (empty without CUDA) and
     # torch.cuda._lazy_call (which silently queues forever without CUDA), so they are replaced.
-    from megatron.core.tensor_parallel import random as mcore_random
-
     mcore_random._get_cuda_rng_state = _get_cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
 

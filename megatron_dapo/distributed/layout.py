@@ -1,4 +1,11 @@
-"""The parallel layout of a run: sizes, their validation, and which ranks form which group.
+"""The parallel layout of a run: sizes, the rules they must follow, and which ranks form which group.
+
+The one owner of the parallel arithmetic (as torchtitan's ParallelDims is): every rule on the
+sizes (each >= 1, interleaving needs pipeline stages), on the model (heads and query groups by TP,
+layers by PP x VPP) and on the world (TP x PP x CP and rollout.tp divide it; the batches split
+evenly over its data-parallel ranks) is one function here. `config.py` applies them to a loaded
+config, `ParallelLayout.validate` to a layout in code; both report the same message, which names
+the config key, its value and the values that would fit. A rule that fails raises `LayoutError`.
 
 Pure Python (no torch.distributed): the pre-flight check and the `plan` command use it before any
 process group exists. The rank numbering follows Megatron-Core's default order "tp-cp-ep-dp-pp"
@@ -12,16 +19,172 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["ParallelLayout", "divisors"]
+from megatron_dapo.errors import InputError
+
+__all__ = [
+    "EXPERT_DISPATCHERS",
+    "ExpertParallelError",
+    "LayoutError",
+    "ParallelLayout",
+    "check_batch_split",
+    "check_expert_dispatcher",
+    "check_model_shape",
+    "check_moe_sequence_parallel",
+    "check_rollout_tp",
+    "check_sizes",
+    "check_world_size",
+    "divisors",
+    "expert_data_parallel_size",
+    "expert_groups",
+    "experts_per_rank",
+    "validate_expert_parallel",
+]
+
+
+class LayoutError(InputError, ValueError):
+    """Parallel sizes that do not fit each other, the model, the world or the batches."""
 
 
 def divisors(n: int) -> list[int]:
-    """All positive divisors of n, ascending (used in the 'use parallel.tp in {...}' hints)."""
+    """All positive divisors of n, ascending (the values a size may take: 'use parallel.tp in {...}')."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _set(values: list[int]) -> str:
     return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise LayoutError(message)
+
+
+def _positive(key: str, value: Any) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"'{key}' must be >= 1, got {value!r}")
+
+
+def check_sizes(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None, rollout_tp: int = 1) -> None:
+    """Every parallel size is an integer >= 1 (vpp: or null), and interleaving (vpp > 1) needs pipeline stages."""
+    for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp), ("rollout.tp", rollout_tp)):
+        _positive(key, value)
+    if vpp is not None:
+        _require(
+            isinstance(vpp, int) and not isinstance(vpp, bool) and vpp >= 1,
+            f"'parallel.vpp' must be null or >= 1, got {vpp!r}",
+        )
+        _require(
+            vpp == 1 or pp > 1,
+            f"'parallel.vpp'={vpp} needs pipeline parallelism: set parallel.pp > 1 or parallel.vpp=null",
+        )
+
+
+def check_model_shape(
+    tp: int,
+    pp: int,
+    vpp: Optional[int] = None,
+    *,
+    num_attention_heads: Optional[int] = None,
+    num_query_groups: Optional[int] = None,
+    num_layers: Optional[int] = None,
+) -> None:
+    """The model splits over the layout: attention heads and query groups (num_key_value_heads) by TP,
+    layers by PP x VPP. A dimension given as None or 0 (unknown) is not checked."""
+    if num_attention_heads:
+        _require(
+            num_attention_heads % tp == 0,
+            f"'parallel.tp'={tp} does not divide the model's num_attention_heads={num_attention_heads}: "
+            f"use parallel.tp in {_set(divisors(num_attention_heads))}",
+        )
+    if num_query_groups:
+        _require(
+            num_query_groups % tp == 0,
+            f"'parallel.tp'={tp} does not divide the model's num_key_value_heads={num_query_groups} (query groups): "
+            f"use parallel.tp in {_set(divisors(num_query_groups))}",
+        )
+    if num_layers:
+        stages = pp * (vpp or 1)
+        if vpp is None:
+            fix = f"use parallel.pp in {_set(divisors(num_layers))}"
+            product = f"{stages}"
+        else:
+            fix = f"change 'parallel.pp' / 'parallel.vpp' so that their product is in {_set(divisors(num_layers))}"
+            product = f"{pp} x {vpp} = {stages}"
+        _require(
+            num_layers % stages == 0,
+            f"the model's num_hidden_layers={num_layers} is not divisible by parallel.pp x parallel.vpp = {product}: {fix}",
+        )
+
+
+def _check_world_positive(world_size: Any) -> None:
+    _require(
+        isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
+        f"world size {world_size!r}: a run needs at least one process (--world-size, or the number of processes "
+        "torchrun / srun launch, must be >= 1)",
+    )
+
+
+def check_world_size(world_size: int, tp: int, pp: int, cp: int) -> int:
+    """The data-parallel size of `world_size` processes: the world must hold whole model copies of
+    tp x pp x cp ranks."""
+    _check_world_positive(world_size)
+    model_parallel = tp * pp * cp
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+        f"{tp} x {pp} x {cp} = {model_parallel}: launch a multiple of {model_parallel} processes "
+        f"or change 'parallel.tp' / 'parallel.pp' / 'parallel.cp' (their product must be in {_set(divisors(world_size))})",
+    )
+    return world_size // model_parallel
+
+
+def check_rollout_tp(world_size: int, rollout_tp: int) -> None:
+    """The world cuts into whole rollout engines of `rollout.tp` ranks (the spmd placement's groups)."""
+    _positive("rollout.tp", rollout_tp)
+    _check_world_positive(world_size)
+    _require(
+        world_size % rollout_tp == 0,
+        f"'rollout.tp'={rollout_tp} must divide the world size {world_size}: launch a multiple of {rollout_tp} "
+        f"processes or use rollout.tp in {_set(divisors(world_size))}",
+    )
+
+
+def check_batch_split(
+    dp: int,
+    *,
+    ppo_mini_batch_size: int,
+    n: int,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int,
+    gen_batch_size: int,
+    train_batch_size: int,
+) -> None:
+    """Every batch splits evenly over `dp` data-parallel ranks: the prompts of a generation batch and of
+    a train batch, the sequences of a mini-batch (ppo_mini_batch_size x n), and with a fixed micro-batch
+    size (no token budget) each rank's share of a mini-batch into micro-batches."""
+    sequences = ppo_mini_batch_size * n
+    _require(
+        sequences % dp == 0,
+        f"a mini-batch of trainer.ppo_mini_batch_size x rollout.n = {ppo_mini_batch_size} x {n} = {sequences} "
+        f"sequences cannot be split evenly over {dp} data-parallel ranks: change 'trainer.ppo_mini_batch_size' "
+        f"or the number of processes",
+    )
+    if not max_tokens_per_micro_batch:
+        per_rank = sequences // dp
+        _require(
+            per_rank % micro_batch_size == 0,
+            f"each data-parallel rank gets {per_rank} sequences per mini-batch, not a multiple of "
+            f"'trainer.micro_batch_size'={micro_batch_size}: change it to a divisor of {per_rank}",
+        )
+    _require(
+        gen_batch_size % dp == 0,
+        f"'trainer.gen_batch_size'={gen_batch_size} prompts cannot be split evenly over {dp} data-parallel "
+        f"replicas: use a multiple of {dp}",
+    )
+    _require(
+        train_batch_size % dp == 0,
+        f"'trainer.train_batch_size'={train_batch_size} is not divisible by {dp} data-parallel replicas: "
+        f"use a multiple of {dp}",
+    )
 
 
 @dataclass(frozen=True)
@@ -88,52 +251,22 @@ class ParallelLayout:
         num_attention_heads: Optional[int] = None,
         num_query_groups: Optional[int] = None,
     ) -> None:
-        """Raise ValueError naming the config key and the fix for any size that does not fit.
+        """Raise `LayoutError` naming the config key and the fix for any size that does not fit.
 
-        Model arguments left as None are not checked (the world-size check runs at launch, the model
+        Arguments left as None are not checked (the world-size check runs at launch, the model
         checks once the HF config is read).
         """
-        for key, value in (("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.cp", self.cp)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key}={value!r} must be a positive integer")
-        if self.vpp is not None:
-            if not isinstance(self.vpp, int) or self.vpp < 1:
-                raise ValueError(f"parallel.vpp={self.vpp!r} must be null or a positive integer")
-            if self.vpp > 1 and self.pp == 1:
-                raise ValueError(
-                    f"parallel.vpp={self.vpp} needs pipeline parallelism: set parallel.pp > 1 or parallel.vpp=null"
-                )
+        check_sizes(self.tp, self.pp, self.cp, self.vpp)
         if world_size is not None:
-            mp = self.model_parallel_size
-            if world_size < 1 or world_size % mp != 0:
-                raise ValueError(
-                    f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
-                    f"{self.tp} x {self.pp} x {self.cp} = {mp}: launch a multiple of {mp} processes or change "
-                    f"parallel.tp / parallel.pp / parallel.cp (their product must be in {_set(divisors(world_size))})"
-                )
-        if num_attention_heads is not None and num_attention_heads % self.tp != 0:
-            raise ValueError(
-                f"parallel.tp={self.tp} does not divide model num_attention_heads={num_attention_heads}: "
-                f"use parallel.tp in {_set(divisors(num_attention_heads))}"
-            )
-        if num_query_groups is not None and num_query_groups % self.tp != 0:
-            raise ValueError(
-                f"parallel.tp={self.tp} does not divide model num_key_value_heads={num_query_groups} "
-                f"(query groups): use parallel.tp in {_set(divisors(num_query_groups))}"
-            )
-        if num_layers is not None:
-            stages = self.pp * self.vpp_size
-            if num_layers % stages != 0:
-                if self.vpp is None:
-                    raise ValueError(
-                        f"parallel.pp={self.pp} does not divide model num_hidden_layers={num_layers}: "
-                        f"use parallel.pp in {_set(divisors(num_layers))}"
-                    )
-                raise ValueError(
-                    f"parallel.pp x parallel.vpp = {self.pp} x {self.vpp} = {stages} does not divide model "
-                    f"num_hidden_layers={num_layers}: choose parallel.pp and parallel.vpp whose product is in "
-                    f"{_set(divisors(num_layers))}"
-                )
+            check_world_size(world_size, self.tp, self.pp, self.cp)
+        check_model_shape(
+            self.tp,
+            self.pp,
+            self.vpp,
+            num_attention_heads=num_attention_heads,
+            num_query_groups=num_query_groups,
+            num_layers=num_layers,
+        )
 
     # ------------------------------------------------------------------ rank coordinates
 
@@ -211,13 +344,11 @@ class ParallelLayout:
 # world % (TP x EP x PP) == 0, i.e. EP divides DP x CP: the expert grid of one pipeline stage must
 # tile its DP x TP x CP ranks.
 
-from megatron_dapo.errors import InputError  # noqa: E402  (kept with the rules that use it)
-
 EXPERT_DISPATCHERS = ("alltoall", "allgather")
 """Megatron's token dispatchers that run without extra kernels ("flex" needs DeepEP / HybridEP)."""
 
 
-class ExpertParallelError(InputError, ValueError):
+class ExpertParallelError(LayoutError):
     """An expert-parallel layout that does not fit the model or the launch; the message names the key and the fix."""
 
 

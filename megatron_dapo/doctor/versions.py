@@ -34,6 +34,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from megatron_dapo.errors import StopError
+
 __all__ = [
     "ALLOW_UNTESTED_ENV",
     "IncompatibleVersionError",
@@ -124,7 +126,7 @@ class Requirement:
     """Modules tried for `__version__` before `module` (Megatron-Core keeps it in package_info)."""
     prepare: str = ""
     """"module:function" called before the real package is imported and probed, to put this process
-    in the state the engine would (SGLang on CPU: its CPU switch and `sglang_cpu_compat`)."""
+    in the state the engine would (SGLang on CPU: its CPU switch and `rollout/engines/sglang/cpu_compat.py`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +536,7 @@ def probe(
         return Report(req, version=_version_of(req, import_module), missing=missing, allow_untested=allow)
 
 
-class IncompatibleVersionError(RuntimeError):
+class IncompatibleVersionError(StopError, RuntimeError):
     """The installed library is outside the tested range, or lacks an API the project calls."""
 
     def __init__(self, report: Report):

@@ -38,6 +38,15 @@ import dataclasses
 from typing import Literal, Optional, Sequence
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dapo.distributed.layout import ParallelLayout, check_expert_dispatcher, experts_per_rank
 from megatron_dapo.model.gpu_kernels import (
@@ -51,6 +60,9 @@ from megatron_dapo.model.gpu_kernels import (
 from megatron_dapo.model.gpu_kernels import resolve_transformer_engine as _resolve_te
 from megatron_dapo.model.hf_config import HFModelConfig
 from megatron_dapo.model.mapping import LOCAL_SPEC, TE_SPEC, padded_vocab_size
+from megatron_dapo.distributed.objects import is_logging_rank
+from megatron_dapo.model.local_norm import local_block_submodules, with_sequence_parallel_norms
+from megatron_dapo.model.sdpa_attention import with_sdpa_core_attention
 
 __all__ = [
     "announce_once",
@@ -91,8 +103,6 @@ _announced: set[str] = set()
 
 def announce_once(line: str) -> None:
     """Print a start-up line once per process, on the logging rank (actor and reference build alike)."""
-    from megatron_dapo.distributed.objects import is_logging_rank
-
     if line not in _announced and is_logging_rank():
         print(f"[megatron-dapo] {line}", flush=True)
     _announced.add(line)
@@ -192,8 +202,6 @@ def build_transformer_config(
     MoE models: `expert_parallel` (Megatron's `expert_model_parallel_size`), the token dispatcher,
     and the load-balancing loss coefficient (None: the model's `router_aux_loss_coef`).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     on_gpu = torch.cuda.is_available()
     # Fused kernels need CUDA; with TE on a GPU use them, on the local spec / CPU use plain PyTorch.
@@ -275,8 +283,6 @@ def _layer_spec(cfg: HFModelConfig, use_te: bool, attention: Literal["sdpa", "me
     "megatron": Megatron's unfused `DotProductAttention` (materialises the [b, heads, s, s] scores;
     kept as the reference). With TE, TE's own fused attention is used whatever `attention` says.
     """
-    from megatron.core.models.gpt import gpt_layer_specs
-
     if attention not in ("sdpa", "megatron"):
         raise ValueError(f"attention must be 'sdpa' or 'megatron', got {attention!r}")
     num_experts = cfg.num_experts or None
@@ -284,15 +290,12 @@ def _layer_spec(cfg: HFModelConfig, use_te: bool, attention: Literal["sdpa", "me
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=cfg.qk_norm
         )
-    from megatron_dapo.model.local_norm import with_sequence_parallel_norms
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
     if num_experts is not None:
         spec = _moe_norm_checkpoint_key(spec)
     spec = with_sequence_parallel_norms(spec)  # Megatron's torch norm refuses sequence parallelism
     if attention == "sdpa":
-        from megatron_dapo.model.sdpa_attention import with_sdpa_core_attention
-
         spec = with_sdpa_core_attention(spec)
     return spec
 
@@ -334,9 +337,6 @@ def build_gpt_models(
     MoE models take the expert-parallel size from Megatron's parallel state and `moe_token_dispatcher`
     / `moe_aux_loss_coeff` as `build_transformer_config` does.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
     actual = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
     if actual != (layout.tp, layout.pp):
         raise ValueError(f"layout tp={layout.tp}, pp={layout.pp} differs from Megatron's parallel state tp={actual[0]}, pp={actual[1]}")
@@ -368,7 +368,6 @@ def build_gpt_models(
         # Megatron's own DotProductAttention refuses CP; the SDPA core attention all-gathers K/V over CP.
         raise ValueError("parallel.cp > 1 without Transformer Engine needs the SDPA core attention (attention='sdpa')")
     spec = _layer_spec(cfg, use_te, attention)
-    from megatron_dapo.model.local_norm import local_block_submodules
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = layout.megatron_vpp
     inv_freq = rope_inv_freq(cfg)
@@ -433,13 +432,6 @@ def mark_tensor_parallel_weights(models: Sequence[torch.nn.Module]) -> int:
     with it gradient clipping - is wrong (found by tests/actor at TP=2). Marking them is exact:
     these three layer types always shard their weight, along dim 0, 1 and 0 respectively.
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
     repaired = 0
     for model in models:
         for module in model.modules():

@@ -15,16 +15,23 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_dapo.model.builder import attention_mask_for, unwrap_model
+from megatron_dapo.distributed.context_parallel import (
+    cp_pad_multiple,
+    gather_sequence_keep_slice,
+    padded_length,
+    split_for_cp_rank,
+)
 
 __all__ = ["BlockDiff", "DivergenceReport", "compare_with_hf", "megatron_logits"]
 
 
 def _last_stage_rank_and_group():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
     return ranks[-1], group
@@ -45,11 +52,6 @@ def megatron_logits(
     (`vocab_size`, default: no trimming). With `broadcast`, every pipeline stage gets the result;
     otherwise non-last stages return None. Tiny models / tests only: the full logits are gathered.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     models = list(models)
     was_training = [model.training for model in models]
     for model in models:
@@ -64,8 +66,6 @@ def megatron_logits(
     if cp_size > 1:
         # Context parallelism: right-pad to the chunk multiple, keep this rank's 2 of the 2*CP chunks;
         # the attention is causal by itself (no mask), the logits are gathered back below.
-        from megatron_dapo.distributed.context_parallel import cp_pad_multiple, padded_length, split_for_cp_rank
-
         config = models[0].config
         multiple = cp_pad_multiple(cp_size, config.tensor_model_parallel_size, config.sequence_parallel)
         padding = padded_length(seq_len, multiple) - seq_len
@@ -103,8 +103,6 @@ def megatron_logits(
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         logits = torch.cat([gather_from_tensor_model_parallel_region(o) for o in outputs], dim=0)
         if cp_size > 1:
-            from megatron_dapo.distributed.context_parallel import gather_sequence_keep_slice
-
             logits = gather_sequence_keep_slice(logits, 1, ps.get_context_parallel_group())[:, :seq_len]
         result = logits[..., :vocab_size] if vocab_size is not None else logits
     if broadcast and ps.get_pipeline_model_parallel_world_size() > 1:
@@ -169,9 +167,6 @@ def compare_with_hf(
     it holds, using Megatron's own global layer numbers, and the stages share their results, so
     every rank returns the same report.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     hf_model.eval()
     vocab_size = vocab_size or hf_model.config.vocab_size
     chunks = [unwrap_model(m) for m in models]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+from megatron_dapo.errors import InputError
+
 __all__ = [
     "HFModelConfig",
     "ModelFileError",
@@ -38,11 +40,11 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCaus
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(InputError, ValueError):
     """The HF model uses an architecture or a feature this trainer does not implement."""
 
 
-class ModelFileError(ValueError):
+class ModelFileError(InputError, ValueError):
     """A file of the HF model directory is missing, unreadable or corrupt; the message names the file."""
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.builder import layer_spec_of, unwrap_model
@@ -142,8 +144,6 @@ class _Ranks:
 
 
 def _parallel_ranks() -> _Ranks:
-    from megatron.core import parallel_state as ps
-
     return _Ranks(
         tp_rank=ps.get_tensor_model_parallel_rank(),
         tp=ps.get_tensor_model_parallel_world_size(),
@@ -264,8 +264,6 @@ def _owner(row: Map, layer: Optional[int], num_layers: int, pp: int, vpp) -> tup
 
 
 def _gather_tp(param: torch.Tensor, row: Map, tp: int, group) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
     if row.tp_dim is None or tp == 1:
         return [param.detach()]
     shards = [torch.empty_like(param) for _ in range(tp)]
@@ -285,9 +283,6 @@ def export_megatron_to_hf(
     models: Sequence[torch.nn.Module], hf_config: HFModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank, in HF order (see module doc)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     models = [unwrap_model(m) for m in models]
     cfg = hf_config
     table = mapping_for(cfg)

@@ -19,6 +19,8 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+from megatron.core.transformer import transformer_block
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 __all__ = ["SequenceParallelRMSNorm", "local_block_submodules", "with_sequence_parallel_norms"]
 
@@ -35,8 +37,6 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 
 def _torch_norm_class() -> type:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
     return WrappedTorchNorm
 
 
@@ -72,8 +72,6 @@ def local_block_submodules(layer_spec: Any, config: Any, vp_stage: Optional[int]
     Megatron builds the block of a layer spec with its module-level `LayerNormImpl` (WrappedTorchNorm
     without TE/apex) as the final norm; spelling the block out replaces it. Same layers, same names.
     """
-    from megatron.core.transformer import transformer_block
-
     final_norm = transformer_block.LayerNormImpl
     if final_norm is _torch_norm_class():
         final_norm = SequenceParallelRMSNorm

@@ -28,6 +28,7 @@ sliding windows and non-vanilla softmax are refused: Transformer Engine's attent
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import weakref
 from typing import Any, Optional
@@ -43,6 +44,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch.nn.attention.bias import causal_lower_right
+
+from megatron_dapo.distributed.context_parallel import gather_sequence_sum_grads
 
 __all__ = ["SDPADotProductAttention", "is_causal_mask", "with_sdpa_core_attention"]
 
@@ -125,8 +131,6 @@ class SDPADotProductAttention(MegatronModule):
             if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
                 self.cp_group = pg_collection.cp
             else:
-                from megatron.core import parallel_state
-
                 self.cp_group = parallel_state.get_context_parallel_group()
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(
@@ -148,8 +152,6 @@ class SDPADotProductAttention(MegatronModule):
         if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
             self.tp_group = pg_collection.tp  # MegatronModule.sharded_state_dict looks for it
         else:
-            from megatron.core import parallel_state
-
             self.tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
 
     def forward(
@@ -245,10 +247,6 @@ class SDPADotProductAttention(MegatronModule):
 
     def _context_parallel_attention(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """Causal attention of the local chunks; K/V all-gathered over CP (backward: dK/dV summed)."""
-        import torch.distributed as dist
-
-        from megatron_dapo.distributed.context_parallel import gather_sequence_sum_grads
-
         sq, b, heads, hn = query.shape
         groups = key.size(2)
         if sq % 2:
@@ -275,8 +273,6 @@ def _chunked_causal_sdpa(
     q [b, n, 2c, h] holds chunks cp_rank and 2*CP-1-cp_rank; chunk j sees the key prefix that ends with
     it, under a lower-right-aligned causal mask (`causal_lower_right`, which the fused GPU kernels take).
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     chunk = q.size(2) // 2
     outputs = []
     for local_index, chunk_index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
@@ -310,8 +306,6 @@ def with_sdpa_core_attention(spec: ModuleSpec) -> ModuleSpec:
 
     Only the `core_attention` entry changes; the spec passed in is left untouched.
     """
-    import dataclasses
-
     attention = spec.submodules.self_attention
     if not hasattr(attention.submodules, "core_attention"):
         raise TypeError(f"layer spec has no self_attention.submodules.core_attention: {attention.submodules!r}")

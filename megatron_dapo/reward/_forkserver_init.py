@@ -1,4 +1,4 @@
-"""Preloaded by the reward pool's forkserver only (`RewardManager._ensure_pool`): SIGTERM is ignored there.
+"""Preloaded by the reward pool's forkserver only (`pool.WorkerPool`): SIGTERM is ignored there.
 
 SLURM's time-limit and preemption signal goes to every process of a job step, the forkserver and
 the reward workers included. The trainer handles it (checkpoint, exit 143) and needs its reward

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
 
+from megatron_dapo.reward.math_dapo import compute_score
+
 __all__ = ["RewardFunctionRef", "load_reward_function", "parse_reward_spec"]
 
 _PATH_KEY = "reward.custom_function.path"
@@ -114,7 +116,6 @@ def load_reward_function(spec: Optional[str], name: Optional[str] = None) -> Cal
     if spec is None:
         if name is not None:
             raise ValueError(f"'{_NAME_KEY}'={name!r} is set but '{_PATH_KEY}' is not")
-        from megatron_dapo.reward.math_dapo import compute_score
 
         return compute_score
     ref = parse_reward_spec(spec, name)

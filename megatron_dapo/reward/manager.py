@@ -1,5 +1,5 @@
-"""Score a whole batch of responses: decode, rule scoring in worker processes, the overlong penalty
-added once, and the reward placed on each response's last valid token.
+"""Score a whole batch of responses: decode, rule scoring (in worker processes, `pool.py`), the
+overlong penalty added once.
 
 Where the time goes (see docs/PERF.md): for the DAPO math reward, decoding the token ids costs
 four to five times as much as scoring the text, so a pool that only scores saves little. With
@@ -9,24 +9,12 @@ offsets: cheap to send) and the worker decodes it with its own copy of the token
 tokenizer cannot be pickled, or with ``num_workers=0``, the parent decodes the whole batch in one
 batched call instead.
 
-The pool lives across steps (started on first use, closed by `RewardManager.close`, the context
-manager, garbage collection or interpreter exit). A reward function must never crash or stall
-the step:
-
-* one that raises gives that sample `min_reward` and a warning on the ``megatron_dapo.reward`` logger;
-* one that hangs is found by the parent, which reads each worker's "current sample started at"
-  slot in shared memory; once a sample has run for `timeout_s`, its worker is killed and replaced,
-  the sample gets `min_reward`, and the rest of its chunk is scored again on the live workers. No
-  signal is used inside the workers, so this also stops C-level hangs and leaves ``SIGALRM`` to
-  reward functions that use it themselves;
-* a worker that dies (segfault, ``os._exit``) is treated the same way.
-
-Workers are started with 'forkserver' where available (never plain 'fork', which is unsafe once
-torch has started threads), else 'spawn'. Functions travel to them by reference; functions loaded
-from a file (`loader.load_reward_function`) travel as file path + name and are loaded again in
-each worker on first use. Workers are daemonic so that they can never outlive the trainer; a
-reward function may therefore run subprocesses (``subprocess``) but not start ``multiprocessing``
-children of its own.
+A reward function must never crash or stall the step: one that raises gives that sample
+`min_reward` and a warning on the ``megatron_dapo.reward`` logger; one that hangs or kills its
+worker is stopped by the pool (`pool.WorkerPool`: per-sample timeout, worker replaced) and its
+sample gets `min_reward` too. Functions travel to the workers by reference; functions loaded from
+a file (`loader.load_reward_function`) travel as file path + name and are loaded again in each
+worker on first use.
 """
 
 from __future__ import annotations
@@ -35,16 +23,8 @@ import inspect
 import itertools
 import logging
 import math
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.sharedctypes
-import os
 import pickle
 import sys
-import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -54,8 +34,9 @@ import torch
 
 from megatron_dapo.reward.loader import RewardFunctionRef, load_reward_function, reward_function_ref
 from megatron_dapo.reward.overlong import overlong_penalty, validate_overlong_settings
+from megatron_dapo.reward.pool import SampleClock, WorkerCannotWork, WorkerPool, default_start_method
 
-__all__ = ["RewardManager", "RewardResult", "reward_metrics", "token_level_rewards"]
+__all__ = ["RewardManager", "RewardResult"]
 
 logger = logging.getLogger("megatron_dapo.reward")
 
@@ -65,11 +46,6 @@ ScoreFunction = Callable[..., Union[float, dict]]
 _OPTIONAL_KEYWORDS = ("validating", "data_source", "extra_info")
 # Per call, at most this many failures are logged one by one; the rest are summed up in one line.
 _MAX_FAILURE_LOGS = 10
-# A worker's sample-start slot holds this while no sample is being scored.
-_IDLE = 0.0
-# Time a worker may take to start, load the tokenizer and function and decode a chunk before its
-# first sample starts; beyond it the worker counts as broken.
-_STARTUP_GRACE_S = 120.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,46 +75,6 @@ class RewardResult:
     """Per sample: why the reward function failed ("ValueError: ...", a timeout, a crash), None where it
     scored. Travels with the samples so that dynamic sampling can name failures as the cause when
     every group looks all wrong (`algorithm.sampling.DynamicSamplingBuffer`)."""
-
-    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Shorthand for `reward_metrics(self, prefix)`."""
-        return reward_metrics(self, prefix)
-
-
-def reward_metrics(result: RewardResult, prefix: str = "reward/") -> dict[str, float]:
-    """Batch summaries for logging: mean reward, mean accuracy, failures, the overlong penalty."""
-    if len(result.responses) == 0:
-        return {}
-    return {
-        f"{prefix}score_mean": float(result.scores.double().mean()),
-        f"{prefix}raw_score_mean": float(result.raw_scores.double().mean()),
-        f"{prefix}acc_mean": float(result.acc.double().mean()),
-        f"{prefix}failed_fraction": float(result.failed.double().mean()),
-        f"{prefix}overlong_penalty_mean": float(result.overlong_penalty.double().mean()),
-        f"{prefix}overlong_num_penalised": float((result.overlong_penalty < 0).sum()),
-    }
-
-
-def token_level_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` tensor holding each sequence's score on its last valid token and zeros elsewhere.
-
-    "Last valid" is the last position where `response_mask` is non-zero, so right padding, left
-    padding and holes are all handled. Rows with no valid token stay all zero.
-    """
-    if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
-        raise ValueError(
-            f"scores must be [B] and response_mask [B, T], got {tuple(scores.shape)} and {tuple(response_mask.shape)}"
-        )
-    batch, length = response_mask.shape
-    out = torch.zeros(batch, length, dtype=scores.dtype, device=response_mask.device)
-    if length == 0 or batch == 0:
-        return out
-    valid = response_mask != 0
-    # argmax returns the first maximum, so on the flipped mask it finds the last valid position.
-    last = length - 1 - valid.flip(1).to(torch.int8).argmax(dim=1)
-    rows = valid.any(dim=1).nonzero(as_tuple=True)[0]
-    out[rows, last[rows]] = scores.to(out.device)[rows]
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +214,8 @@ class _Chunk:
 
     ground_truths: list[str]
     extras: Optional[list[Optional[dict[str, Any]]]]
+    keywords: dict[str, Any]
+    """Keyword arguments of every sample (``validating=``)."""
     texts: Optional[list[str]] = None
     flat_ids: Optional[np.ndarray] = None
     offsets: Optional[np.ndarray] = None
@@ -289,14 +227,13 @@ def _score_texts(
     ground_truths: Sequence[str],
     extras: Optional[Sequence[Optional[dict[str, Any]]]],
     common_kwargs: dict[str, Any],
-    progress: Optional[Any] = None,
+    clock: Optional[SampleClock] = None,
 ) -> list[_SampleResult]:
-    """Score in order; exceptions become error results. `progress` is a worker's shared slot."""
+    """Score in order; exceptions become error results. `clock`: a worker's, told as each sample starts."""
     results: list[_SampleResult] = []
     for position, (text, ground_truth) in enumerate(zip(texts, ground_truths)):
-        if progress is not None:
-            progress[1] = position
-            progress[0] = time.monotonic()
+        if clock is not None:
+            clock.start(position)
         try:
             extra = extras[position] if extras is not None else None
             kwargs = common_kwargs if extra is None else {**common_kwargs, **extra}
@@ -304,238 +241,55 @@ def _score_texts(
             results.append((score, acc, pred, None))
         except Exception as error:  # any failure of user code is a failed sample, never a failed step
             results.append((math.nan, False, None, f"{type(error).__name__}: {error}"))
-    if progress is not None:
-        progress[0] = _IDLE
     return results
 
 
 # --------------------------------------------------------------------------------------------
-# Worker processes
+# What a worker runs
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _WorkerSetup:
-    """What a worker needs: a reference to load (or the function itself) and, optionally, the tokenizer."""
+@dataclass
+class _ScoringTask:
+    """A worker's task (`pool.WorkerPool`): a reference to load (or the function itself) and,
+    optionally, the tokenizer; both loaded once per worker, on its first chunk."""
 
     ref: Optional[RewardFunctionRef]
     function: Optional[Callable[..., Any]]
     tokenizer_pickle: Optional[bytes]
+    _loaded_function: Optional[Callable[..., Any]] = field(default=None, init=False, repr=False)
+    _tokenizer: Any = field(default=None, init=False, repr=False)
 
-    def load_function(self) -> Callable[..., Any]:
-        return self.ref.load() if self.ref is not None else self.function  # type: ignore[return-value]
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # A worker stuck in a hung reward function never reads its pipe again; if the trainer dies
-    # (even by SIGKILL) it must not be left spinning. A thread still runs during pure-Python hangs.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def _worker_main(conn: Any, progress: Any, setup: _WorkerSetup) -> None:
-    """Worker loop: receive (chunk id, common kwargs, _Chunk); send back (chunk id, results, texts,
-    None), or (chunk id, None, None, message) when the worker cannot work at all."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is SLURM's SIGTERM, sent to every process of the job
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    function: Optional[Callable[..., Any]] = None
-    tokenizer: Any = None
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        chunk_id, common_kwargs, chunk = message
-        count = len(chunk.ground_truths)
+    def __call__(self, chunk: _Chunk, clock: SampleClock) -> list[tuple[_SampleResult, Optional[str]]]:
+        """(result, decoded text or None where the chunk brought texts) per sample of the chunk."""
         step = "loading the reward function"
         try:
-            if function is None:
-                function = setup.load_function()
+            if self._loaded_function is None:
+                self._loaded_function = self.ref.load() if self.ref is not None else self.function
             texts = chunk.texts
             if texts is None:
                 step = "loading the tokenizer"
-                if tokenizer is None:
-                    tokenizer = pickle.loads(setup.tokenizer_pickle)  # type: ignore[arg-type]
+                if self._tokenizer is None:
+                    self._tokenizer = pickle.loads(self.tokenizer_pickle)  # type: ignore[arg-type]
                 step = "decoding"
-                bounds = chunk.offsets.tolist()
-                texts = _batch_decode(tokenizer, [chunk.flat_ids[bounds[i] : bounds[i + 1]] for i in range(count)])
+                bounds = chunk.offsets.tolist()  # type: ignore[union-attr]
+                rows = [chunk.flat_ids[bounds[i] : bounds[i + 1]] for i in range(len(chunk.ground_truths))]  # type: ignore[index]
+                texts = _batch_decode(self._tokenizer, rows)
         except Exception as error:
             # Not a per-sample failure: this worker cannot do any work, and neither could the next.
-            conn.send((chunk_id, None, None, f"{step} in a reward worker failed: {type(error).__name__}: {error}"))
-            continue
-        results = _score_texts(function, texts, chunk.ground_truths, chunk.extras, common_kwargs, progress)
-        conn.send((chunk_id, results, texts if chunk.texts is None else None, None))
-
-
-class _Worker:
-    def __init__(self, context: Any, setup: _WorkerSetup) -> None:
-        self.conn, child_conn = context.Pipe(duplex=True)
-        # [0]: monotonic start time of the sample being scored (0 = idle); [1]: its position in the chunk.
-        self.progress = multiprocessing.sharedctypes.RawArray("d", 2)
-        self.process = context.Process(
-            target=_worker_main, args=(child_conn, self.progress, setup), name="megatron-dapo-reward", daemon=True
-        )
-        self.process.start()
-        child_conn.close()
-        self.indices: Optional[list[int]] = None  # samples of the chunk in flight
-        self.chunk_id = -1
-        self.dispatched_at = 0.0
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5.0)
-        self.conn.close()
-
-
-def _shutdown(workers: list[_Worker]) -> None:
-    """Ask every worker to exit, give them a moment together, then kill what is left."""
-    for worker in workers:
-        try:
-            worker.conn.send(None)
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 2.0
-    for worker in workers:
-        worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        worker.kill()
-    workers.clear()
-
-
-class _WorkerPool:
-    """Persistent worker processes with per-sample deadlines enforced from the parent."""
-
-    def __init__(self, num_workers: int, setup: _WorkerSetup, timeout_s: float, start_method: str) -> None:
-        self.num_workers = num_workers
-        self.setup = setup
-        self.timeout_s = timeout_s
-        self.context = multiprocessing.get_context(start_method)
-        self.workers: list[_Worker] = []
-        self._next_chunk_id = 0
-
-    def reset(self) -> None:
-        """Kill every worker (after an interruption left the pipes in an unknown state)."""
-        for worker in self.workers:
-            worker.kill()
-        self.workers.clear()
-
-    def run(
-        self, count: int, build: Callable[[list[int]], _Chunk], common_kwargs: dict[str, Any], chunk_size: int
-    ) -> tuple[list[Optional[_SampleResult]], list[Optional[str]], dict[int, str]]:
-        """Score `count` samples whose chunks `build(indices)` makes.
-
-        Returns per-sample results (None where lost), texts decoded by workers (None where the
-        parent sent text or the sample was lost) and {index: reason} for timed-out / crashed samples.
-        """
-        try:
-            return self._run(count, build, common_kwargs, chunk_size)
-        except BaseException:
-            self.reset()
-            raise
-
-    def _run(
-        self, count: int, build: Callable[[list[int]], _Chunk], common_kwargs: dict[str, Any], chunk_size: int
-    ) -> tuple[list[Optional[_SampleResult]], list[Optional[str]], dict[int, str]]:
-        results: list[Optional[_SampleResult]] = [None] * count
-        texts: list[Optional[str]] = [None] * count
-        lost: dict[int, str] = {}
-        pending: deque[list[int]] = deque(
-            list(range(start, min(start + chunk_size, count))) for start in range(0, count, chunk_size)
-        )
-        start_failures = 0
-        while pending or any(w.indices is not None for w in self.workers):
-            while len(self.workers) < self.num_workers:
-                self.workers.append(_Worker(self.context, self.setup))
-            for worker in list(self.workers):
-                if worker.indices is None and pending:
-                    worker.indices = pending.popleft()
-                    worker.chunk_id, self._next_chunk_id = self._next_chunk_id, self._next_chunk_id + 1
-                    worker.progress[0], worker.progress[1] = _IDLE, -1.0
-                    worker.dispatched_at = time.monotonic()
-                    try:
-                        worker.conn.send((worker.chunk_id, common_kwargs, build(worker.indices)))
-                    except OSError:  # the process died while idle
-                        start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
-
-            busy = [w for w in self.workers if w.indices is not None]
-            now = time.monotonic()
-            deadlines = [w.progress[0] + self.timeout_s for w in busy if w.progress[0] != _IDLE]
-            wait_s = min([self.timeout_s, *(d - now for d in deadlines)])
-            ready = multiprocessing.connection.wait([w.conn for w in busy], timeout=max(0.0, wait_s) + 0.01)
-
-            for worker in busy:
-                if worker.conn in ready:
-                    try:
-                        chunk_id, chunk_results, chunk_texts, fatal = worker.conn.recv()
-                    except (EOFError, OSError):
-                        start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
-                        continue
-                    assert chunk_id == worker.chunk_id, "reward worker answered out of turn"
-                    if fatal is not None:
-                        raise RuntimeError(
-                            f"{fatal}. The parent process loaded the same function and tokenizer, so the workers see a "
-                            "different environment (sys.path, files); RewardManager(decode_in_workers=False) keeps "
-                            "decoding in the parent"
-                        )
-                    for position, index in enumerate(worker.indices):  # type: ignore[arg-type]
-                        results[index] = chunk_results[position]
-                        if chunk_texts is not None:
-                            texts[index] = chunk_texts[position]
-                    worker.indices = None
-                    start_failures = 0
-                    continue
-                sample_start, now = worker.progress[0], time.monotonic()
-                if sample_start != _IDLE and now - sample_start > self.timeout_s:
-                    reason = f"timed out after {self.timeout_s:g} s (worker killed and replaced)"
-                    start_failures = self._recover(worker, pending, lost, reason, start_failures)
-                elif not worker.process.is_alive():
-                    start_failures = self._recover(worker, pending, lost, "the worker process died", start_failures)
-                elif worker.progress[1] < 0 and now - worker.dispatched_at > self.timeout_s + _STARTUP_GRACE_S:
-                    reason = "the worker never started scoring (start-up, loading or decoding hangs)"
-                    start_failures = self._recover(worker, pending, lost, reason, start_failures)
-        return results, texts, lost
-
-    def _recover(
-        self, worker: _Worker, pending: deque[list[int]], lost: dict[int, str], reason: str, start_failures: int
-    ) -> int:
-        """Kill `worker`, fail the sample it was on, requeue the rest of its chunk."""
-        indices = worker.indices
-        assert indices is not None
-        worker.kill()  # from here on its progress slot no longer changes
-        self.workers.remove(worker)
-        position = int(worker.progress[1])
-        if 0 <= position < len(indices):
-            lost[indices[position]] = reason
-            rest = indices[:position] + indices[position + 1 :]
-            start_failures = 0
-        else:
-            # Died before its first sample: no sample to blame. Retry, but not forever.
-            rest = indices
-            start_failures += 1
-            if start_failures >= 3:
-                raise RuntimeError(
-                    f"reward worker processes fail before scoring anything ({reason}; exit code "
-                    f"{worker.process.exitcode}); check that the reward function and tokenizer load in a fresh process"
-                )
-        if rest:
-            pending.appendleft(rest)
-        return start_failures
+            raise WorkerCannotWork(
+                f"{step} in a reward worker failed: {type(error).__name__}: {error}. The parent process loaded the "
+                "same function and tokenizer, so the workers see a different environment (sys.path, files); "
+                "RewardManager(decode_in_workers=False) keeps decoding in the parent"
+            ) from error
+        results = _score_texts(self._loaded_function, texts, chunk.ground_truths, chunk.extras, chunk.keywords, clock)  # type: ignore[arg-type]
+        decoded = chunk.texts is None
+        return [(result, text if decoded else None) for result, text in zip(results, texts)]
 
 
 # --------------------------------------------------------------------------------------------
 # The manager
 # --------------------------------------------------------------------------------------------
-
-
-def _default_start_method() -> str:
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 class RewardManager:
@@ -554,7 +308,7 @@ class RewardManager:
         overlong_enable, overlong_buffer_length, overlong_penalty_factor, max_response_length:
             the soft overlong punishment (`overlong.overlong_penalty`).
         min_reward: score of a sample whose reward function raised, returned garbage or timed out.
-        chunk_size: samples per message to a worker; None picks one (`_chunk_size`).
+        chunk_size: samples per message to a worker; None picks one (`pool.default_chunk_size`).
         decode_in_workers: workers decode token ids themselves (None: when there are workers and
             the tokenizer pickles); False: the parent decodes the batch in one batched call.
         start_method: multiprocessing start method; None = 'forkserver' where available, else 'spawn'.
@@ -604,15 +358,14 @@ class RewardManager:
         self.max_response_length = max_response_length
         self.min_reward = float(min_reward)
         self.chunk_size = chunk_size
-        self.start_method = start_method or _default_start_method()
+        self.start_method = start_method or default_start_method()
 
-        self._setup: Optional[_WorkerSetup] = None
+        self._task: Optional[_ScoringTask] = None
         if num_workers > 0:
             ref, function = self._function_for_workers(score_fn)
-            self._setup = _WorkerSetup(ref, function, self._tokenizer_for_workers(decode_in_workers))
-        self.decode_in_workers = self._setup is not None and self._setup.tokenizer_pickle is not None
-        self._pool: Optional[_WorkerPool] = None
-        self._closer: Optional[weakref.finalize] = None
+            self._task = _ScoringTask(ref, function, self._tokenizer_for_workers(decode_in_workers))
+        self.decode_in_workers = self._task is not None and self._task.tokenizer_pickle is not None
+        self._pool: Optional[WorkerPool] = None
         self.samples_scored = 0
         """Samples scored by this manager so far."""
         self.samples_failed = 0
@@ -647,28 +400,19 @@ class RewardManager:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _ensure_pool(self) -> _WorkerPool:
+    def _ensure_pool(self) -> WorkerPool:
         if self._pool is None:
-            assert self._setup is not None
-            if self.start_method == "forkserver":
-                # Workers fork from one server process that imported these modules once, instead of
-                # each paying the imports. Has no effect if the forkserver already runs.
-                # _forkserver_init: the server ignores SLURM's SIGTERM (so do its workers), see there.
-                preload = ["__main__", __name__, "megatron_dapo.reward._forkserver_init"]
-                if self.decode_in_workers:
-                    preload.append(type(self.tokenizer).__module__)
-                multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-            self._pool = _WorkerPool(self.num_workers, self._setup, self.timeout_s, self.start_method)
-            # Closed at garbage collection or interpreter exit, whichever comes first.
-            self._closer = weakref.finalize(self, _shutdown, self._pool.workers)
+            assert self._task is not None
+            # The forkserver imports the task's module (this one) and the tokenizer's once for all workers.
+            preload = [__name__] + ([type(self.tokenizer).__module__] if self.decode_in_workers else [])
+            self._pool = WorkerPool(self.num_workers, self._task, self.timeout_s, self.start_method, preload)
         return self._pool
 
     def close(self) -> None:
         """Stop the worker processes (a later `score` starts new ones)."""
-        if self._closer is not None:
-            self._closer()
-            self._closer = None
-        self._pool = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __enter__(self) -> "RewardManager":
         return self
@@ -723,9 +467,11 @@ class RewardManager:
             def build(indices: list[int]) -> _Chunk:
                 flat, offsets = tokens.take(indices)
                 labels = [ground_truths[i] for i in indices]
-                return _Chunk(labels, _pick(extras, indices), flat_ids=flat, offsets=offsets)
+                return _Chunk(labels, _pick(extras, indices), common, flat_ids=flat, offsets=offsets)
 
-            results, texts, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
+            outputs, lost = self._ensure_pool().run(count, build, self.chunk_size)
+            results = [None if output is None else output[0] for output in outputs]
+            texts = [None if output is None else output[1] for output in outputs]
             missing = [i for i, text in enumerate(texts) if text is None]
             if missing:  # samples lost with a timed-out or crashed worker
                 for index, text in zip(missing, _batch_decode(self.tokenizer, tokens.rows(missing))):
@@ -736,9 +482,10 @@ class RewardManager:
 
             def build(indices: list[int]) -> _Chunk:
                 labels = [ground_truths[i] for i in indices]
-                return _Chunk(labels, _pick(extras, indices), texts=[responses[i] for i in indices])
+                return _Chunk(labels, _pick(extras, indices), common, texts=[responses[i] for i in indices])
 
-            results, _, lost = self._ensure_pool().run(count, build, common, self._chunk_size(count))
+            outputs, lost = self._ensure_pool().run(count, build, self.chunk_size)
+            results = [None if output is None else output[0] for output in outputs]
 
         return self._assemble(results, lost, responses, tokens.lengths, apply_overlong)
 
@@ -819,13 +566,6 @@ class RewardManager:
             responses=responses,
             errors=errors,
         )
-
-    def _chunk_size(self, count: int) -> int:
-        """Explicit `chunk_size`, else about 4 chunks per worker (load balance, little work lost on a
-        hang), at most 256 samples per message (keeps the pipe busy in both directions)."""
-        if self.chunk_size is not None:
-            return self.chunk_size
-        return max(1, min(256, math.ceil(count / (4 * self.num_workers))))
 
 
 def _pick(values: Optional[list[Any]], indices: list[int]) -> Optional[list[Any]]:

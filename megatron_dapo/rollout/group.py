@@ -21,15 +21,12 @@ of these modes (`rollout.weight_sync_mode`, decided at the first sync, identical
   owner loads them (leader: the leader rank; spmd: every rank, into its own engine, whose loaders
   take that rank's slice). Works anywhere, any rollout TP.
 * "shared_memory" (leader placement): the first stage's TP ranks each write only their own slices
-  into a shared bucket file in /dev/shm that the engine reads (`shard_handover`): no TP gather.
+  into a shared bucket file in /dev/shm that the engine reads (`sync/shared_memory.py`): no TP gather.
   Needs the leader's TP group on one node.
 * "tp_shards" (spmd, rollout TP = actor TP): each rank loads its own slices into its own
-  in-process engine (`spmd_sync`): no gather, no file.
+  in-process engine (`sync/tp_shards.py`): no gather, no file.
 
-"auto": spmd -> tp_shards when rollout TP = actor TP > 1, else gather; leader -> shared_memory when
-the actor's TP > 1 and the leader's TP group shares a node, except for the embedded engine on a GPU
-(there the NCCL gather lands directly in GPU memory, while the file path would go through host
-memory); otherwise gather.
+"auto" picks one of them (`sync.dispatch.choose_sync_mode`).
 
 Devices (GPU runs): every engine computes on GPUs of its own ranks (`placement.assign_engine_devices`,
 decided from every rank's GPU at start, identically on every rank): a leader's vLLM processes get
@@ -44,10 +41,13 @@ free_cache_engine`, level `rollout.sleep_level`); `wake_up(tags)` brings back "w
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
@@ -59,8 +59,10 @@ from megatron_dapo.rollout.placement import (
     replica_groups,
     resolve_placement,
 )
-
-SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
+from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
+from megatron_dapo.rollout.sync.dispatch import choose_sync_mode, sync_weights
+from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
+from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
 
 
 def make_engine(
@@ -78,10 +80,9 @@ def make_engine(
     r = cfg.rollout
     max_model_len = r.max_prompt_length + r.max_response_length + 8
     if r.engine == "embedded":
-        from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
-
         return EmbeddedEngine(hf_dir, dtype=getattr(torch, cfg.model.dtype), device=device)
     if r.engine == "vllm":
+        # vLLM and SGLang are optional installs: their engine modules load only when configured.
         from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -117,53 +118,8 @@ def make_engine(
     raise ValueError(f"unknown rollout.engine {r.engine!r}")
 
 
-def choose_sync_mode(
-    requested: str,
-    tp_size: int,
-    tp_group_hosts: Sequence[str],
-    engine_kind: str,
-    device_type: str,
-    placement: str = "leader",
-    rollout_tp: Optional[int] = None,
-) -> str:
-    """The weight-sync mode for `rollout.weight_sync_mode=requested` (see the module doc); pure.
-
-    `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
-    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises ValueError for a
-    mode the placement cannot use.
-    """
-    if requested not in SYNC_MODES:
-        raise ValueError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
-    if placement == "spmd":
-        same_tp = rollout_tp == tp_size
-        if requested == "shared_memory":
-            raise ValueError("rollout.weight_sync_mode=shared_memory is for rollout.placement=leader; with spmd use auto, gather or tp_shards")
-        if requested == "tp_shards" and not same_tp:
-            raise ValueError(f"rollout.weight_sync_mode=tp_shards needs rollout.tp = parallel.tp (got {rollout_tp} and {tp_size}): use auto or gather")
-        if requested == "auto":
-            return "tp_shards" if same_tp and tp_size > 1 else "gather"
-        return requested
-    if requested == "tp_shards":
-        raise ValueError("rollout.weight_sync_mode=tp_shards needs rollout.placement=spmd (vLLM): use auto, gather or shared_memory")
-    one_node = len(set(tp_group_hosts)) <= 1
-    if requested == "gather":
-        return "gather"
-    if requested == "shared_memory":
-        if not one_node:
-            raise ValueError(
-                f"rollout.weight_sync_mode=shared_memory needs the TP group on one node; it spans {sorted(set(tp_group_hosts))} "
-                "(use gather or auto)"
-            )
-        return "shared_memory"
-    if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
-        return "shared_memory"
-    return "gather"
-
-
 def this_rank_gpu(device: torch.device) -> Optional[RankGpu]:
     """Where this rank computes (node, the GPUs its process sees, its own); None off the GPU."""
-    import socket
-
     if device.type != "cuda":
         return None
     count = torch.cuda.device_count()
@@ -178,10 +134,6 @@ def engine_devices(placement: str, engine: str, rollout_tp: int, mine: RankGpu) 
     engine its shard belongs to); None on ranks that build none. A world collective: every rank
     passes its `RankGpu` (`this_rank_gpu`) and every rank checks the whole layout, so a layout that
     cannot work fails on every rank alike (`placement.PlacementError`)."""
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state as ps
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if ps.model_parallel_is_initialized():
         coordinates = (
@@ -206,11 +158,6 @@ def engine_devices(placement: str, engine: str, rollout_tp: int, mine: RankGpu) 
 
 def _leader_tp_group_hosts() -> list[str]:
     """Host names of the first pipeline stage's TP ranks of this replica (a model-parallel collective)."""
-    import socket
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
         return [socket.gethostname()]
     mine = (ps.get_pipeline_model_parallel_rank(), ps.get_context_parallel_rank(), socket.gethostname())
@@ -219,8 +166,6 @@ def _leader_tp_group_hosts() -> list[str]:
 
 
 def _actor_tp_group():
-    from megatron.core import parallel_state as ps
-
     return ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
@@ -264,8 +209,6 @@ class RolloutGroup:
         mine = this_rank_gpu(device)  # the same device type on every rank: all gather, or none
         devices = engine_devices(placement, r.engine, r.tp, mine) if mine is not None else None
         if placement == "spmd":
-            import torch.distributed as dist
-
             rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
             slot = SpmdSlot(rank, world, r.tp)
             engine = make_engine(cfg, hf_dir, device, placement="spmd", devices=devices)
@@ -314,8 +257,6 @@ class RolloutGroup:
 
     def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float):
         """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""
-        from megatron_dapo.rollout.sync.dispatch import sync_weights
-
         if self.sync_mode is None:
             self.sync_mode = self._decide_sync_mode()
         if self.sync_mode == "shared_memory":
@@ -325,8 +266,6 @@ class RolloutGroup:
         return sync_weights(models, hf_config, self.engine, bucket_mb=bucket_mb)
 
     def _decide_sync_mode(self) -> str:
-        from megatron.core import parallel_state as ps
-
         tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
         if self.spmd is not None:
             return choose_sync_mode(
@@ -336,10 +275,6 @@ class RolloutGroup:
 
     def _handover_target(self):
         """The first pipeline stage's `SharedMemoryHandover` (made once, collectively); None on later stages."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
-
         if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0):
             return None
         if self._handover is None:
@@ -347,9 +282,7 @@ class RolloutGroup:
         return self._handover
 
     def _in_process_target(self):
-        """This rank's `spmd_sync.InProcessShardTarget` (made once; checks the TP groups coincide)."""
-        from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
-
+        """This rank's `tp_shards.InProcessShardTarget` (made once; checks the TP groups coincide)."""
         if self._shard_target is None:
             self._shard_target = InProcessShardTarget.create(self.engine, _actor_tp_group())
         return self._shard_target

@@ -21,6 +21,8 @@ and 4 get GPUs 0-1 and 4-5. vLLM's processes are given them as CUDA_VISIBLE_DEVI
 `base_gpu_id` + `gpu_id_step` (it puts TP rank i on GPU base + i * step). A layout where an engine
 would need a GPU outside its replica, one its leader cannot see, or one another engine uses is
 refused with a `PlacementError` that names the keys to change.
+
+The sizes (rollout.tp >= 1 and dividing the world) are rules of `distributed.layout`.
 """
 
 from __future__ import annotations
@@ -28,18 +30,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megatron_dapo.distributed.layout import check_rollout_tp, check_sizes
+from megatron_dapo.errors import InputError
+
 PLACEMENT_CHOICES = ("auto", "spmd", "leader")
 SPMD_ENGINES = ("vllm",)
+
+
+class PlacementError(InputError, ValueError):
+    """A rollout placement the engine or the GPUs cannot hold; the message names the keys to change."""
 
 
 def resolve_placement(requested: str, engine: str) -> str:
     """The placement "spmd" or "leader" that `rollout.placement=requested` means for `rollout.engine=engine`."""
     if requested not in PLACEMENT_CHOICES:
-        raise ValueError(f"unknown rollout.placement {requested!r}; use one of {', '.join(PLACEMENT_CHOICES)}")
+        raise PlacementError(f"unknown rollout.placement {requested!r}; use one of {', '.join(PLACEMENT_CHOICES)}")
     if requested == "auto":
         return "spmd" if engine in SPMD_ENGINES else "leader"
     if requested == "spmd" and engine not in SPMD_ENGINES:
-        raise ValueError(f"rollout.placement=spmd needs rollout.engine in {SPMD_ENGINES}, got {engine!r}: use auto or leader")
+        raise PlacementError(
+            f"'rollout.placement'=spmd needs rollout.engine={' or '.join(SPMD_ENGINES)} (got {engine!r}): "
+            "use placement auto or leader"
+        )
     return requested
 
 
@@ -52,13 +64,7 @@ class SpmdSlot:
     tp: int
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"rollout.tp must be >= 1, got {self.tp}")
-        if self.world_size < 1 or self.world_size % self.tp:
-            raise ValueError(
-                f"rollout.tp={self.tp} must divide the world size {self.world_size} (rollout.placement=spmd): "
-                "launch a multiple of rollout.tp processes or change rollout.tp"
-            )
+        check_rollout_tp(self.world_size, self.tp)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside the world of size {self.world_size}")
 
@@ -90,10 +96,6 @@ class SpmdSlot:
 
 
 # ---- devices ------------------------------------------------------------------------------------
-
-
-class PlacementError(ValueError):
-    """A rollout layout the GPUs cannot hold; the message names the keys to change."""
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,7 @@ def assign_engine_devices(
         raise ValueError(f"placement must be 'leader' or 'spmd', got {placement!r}")
     if engine not in ENGINE_KINDS:
         raise ValueError(f"unknown rollout.engine {engine!r}; use one of {', '.join(ENGINE_KINDS)}")
-    if rollout_tp < 1:
-        raise ValueError(f"rollout.tp must be >= 1, got {rollout_tp}")
+    check_sizes(rollout_tp=rollout_tp)
     if placement == "spmd":
         assigned = [_spmd_engine(group, rollout_tp, ranks) for group in engines]
     else:

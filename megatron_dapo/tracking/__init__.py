@@ -18,6 +18,7 @@ from megatron_dapo.tracking.loggers import (
 )
 from megatron_dapo.tracking.progress import ProgressBar
 from megatron_dapo.tracking.timer import PhaseTimer
+from megatron_dapo.tracking.plot import plot_metrics
 
 __all__ = [
     "BACKENDS",
@@ -35,7 +36,5 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "plot_metrics":
-        from megatron_dapo.tracking.plot import plot_metrics
-
         return plot_metrics
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

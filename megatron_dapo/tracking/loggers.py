@@ -46,6 +46,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Protocol, TextIO, Union
 
+from tqdm import tqdm
+
 from megatron_dapo.checkpoint.layout import atomic_write_text
 
 __all__ = [
@@ -221,7 +223,6 @@ class _ConsoleBackend:
         has_validation = any(key.startswith("val/") for key in metrics)
         if step % self.every and not has_validation:
             return
-        from tqdm import tqdm
 
         # tqdm.write clears any progress bar drawn on the terminal, prints, then redraws it.
         tqdm.write(format_metrics_table(metrics, step, width=self.width), file=self.stream)

@@ -138,7 +138,7 @@ def metrics_figure(records: Sequence[dict[str, Any]], *, title: str = ""):
     Axes order: reward, validation accuracy, response length (its clip-ratio twin axis is the
     figure's fourth axes when drawn).
     """
-    _require_matplotlib()
+    _require_matplotlib()  # matplotlib is optional: imported only to draw
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

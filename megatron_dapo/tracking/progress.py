@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, TextIO
 
+from tqdm import tqdm
+
 from megatron_dapo.tracking.loggers import format_value
 
 __all__ = ["DEFAULT_POSTFIX_KEYS", "ProgressBar"]
@@ -43,8 +45,6 @@ DEFAULT_POSTFIX_KEYS: Mapping[str, str] = {
 
 
 def _format_interval(seconds: float) -> str:
-    from tqdm import tqdm
-
     return tqdm.format_interval(seconds)
 
 
@@ -95,8 +95,6 @@ class ProgressBar:
         self._bar = None
         self.is_terminal = bool(enabled and getattr(self.file, "isatty", lambda: False)())
         if self.is_terminal:
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=total,
                 initial=initial,

@@ -19,6 +19,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.actor import PolicyBatch
+from megatron_dapo.config import FILTER_GROUP_METRICS
+from megatron_dapo.distributed.objects import data_parallel_rank_and_size
+from megatron_dapo.distributed.tensor_gather import share_from_contributors
+from megatron_dapo.reward.overlong import overlong_loss_mask
 
 
 @dataclass
@@ -119,8 +124,6 @@ def filter_metric(samples: Samples, name: str) -> torch.Tensor:
     elif name == "seq_reward":
         values = samples.score
     else:
-        from megatron_dapo.config import FILTER_GROUP_METRICS
-
         raise ValueError(f"unknown algorithm.filter_groups.metric {name!r}; use one of {', '.join(FILTER_GROUP_METRICS)}")
     return torch.tensor(values, dtype=torch.float64)
 
@@ -134,9 +137,6 @@ def gather_samples(local: Optional[Samples], order_key: Optional[int] = None, me
     `rollout.gather_timeout_s`; `meet_on` overrides it), then the token buffers move over the default
     group (`tensor_gather.share_from_contributors`).
     """
-    from megatron_dapo.distributed.objects import data_parallel_rank_and_size
-    from megatron_dapo.distributed.tensor_gather import share_from_contributors
-
     if local is None:
         shared = share_from_contributors(None, None, None, meet_on=meet_on)
     else:
@@ -208,8 +208,6 @@ def build_policy_batch(
     """The `PolicyBatch` of `samples` (advantages per sequence; rollout log-probs kept for
     mismatch metrics and truncated IS). `mask_truncated` drops truncated responses from the loss
     (DAPO's overlong filtering, `algorithm.overlong_filter`)."""
-    from megatron_dapo.actor import PolicyBatch
-
     rollout = torch.zeros(len(samples), response_width)
     for row, values in enumerate(samples.rollout_log_probs):
         rollout[row, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
@@ -222,7 +220,5 @@ def build_policy_batch(
         rollout_log_probs=rollout,
     )
     if mask_truncated:
-        from megatron_dapo.reward.overlong import overlong_loss_mask
-
         batch.response_mask = overlong_loss_mask(torch.tensor(samples.truncated, dtype=torch.bool), batch.response_valid_mask())
     return batch

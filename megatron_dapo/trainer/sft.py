@@ -1,4 +1,4 @@
-"""Supervised warm start (`megatron-dapo sft`): the actor's own update step with a cross-entropy loss.
+"""Supervised warm start (the library of `megatron-dapo sft`): the actor's own update step with a cross-entropy loss.
 
 Same model build, parallel layout, micro-batching, optimizer and checkpoint format as DAPO training;
 only the objective differs (`build_actor(..., sft=True)`: the token-mean of ``-log p`` over the
@@ -10,14 +10,23 @@ the tokenizer's EOS so that the model learns to stop. The result is a Megatron c
 
 from __future__ import annotations
 
-import argparse
 import copy
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
+from megatron_dapo.actor import PolicyBatch, build_actor
+from megatron_dapo.checkpoint import save_checkpoint
 from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.data.dataset import DatasetError, encode_prompt, iter_records
+from megatron_dapo.data.sampler import PromptSampler, shard_for_rank
+from megatron_dapo.distributed.objects import any_rank, data_parallel_rank_and_size, is_logging_rank
+from megatron_dapo.distributed.setup import teardown
+from megatron_dapo.tracking import MetricsLogger, ProgressBar
+from megatron_dapo.trainer.startup import start
 
 
 @dataclass(frozen=True)
@@ -33,8 +42,6 @@ def load_sft_examples(
     """Read (prompt, response) pairs; too-long pairs are dropped with a count, missing fields are errors.
 
     The prompt is encoded as the rollout sees it (`data.dataset.encode_prompt`)."""
-    from megatron_dapo.data.dataset import DatasetError, encode_prompt, iter_records
-
     examples: list[SFTExample] = []
     dropped = 0
     for path in files:
@@ -74,16 +81,6 @@ def run_sft(cfg: Config, say=print, keep_process_group: bool = False) -> Path:
 
     `keep_process_group`: leave torch.distributed up for a DAPO run in the same processes (the demo).
     """
-    import torch
-
-    from megatron_dapo.actor import PolicyBatch, build_actor
-    from megatron_dapo.checkpoint import save_checkpoint
-    from megatron_dapo.data.sampler import PromptSampler, shard_for_rank
-    from megatron_dapo.distributed.objects import any_rank, data_parallel_rank_and_size, is_logging_rank
-    from megatron_dapo.distributed.setup import teardown
-    from megatron_dapo.trainer.startup import start
-    from megatron_dapo.tracking import MetricsLogger, ProgressBar
-
     s = cfg.sft
     if not s.train_files:
         raise ConfigError("'sft.train_files' is empty: give parquet/jsonl files with a prompt and a 'response' field")
@@ -139,26 +136,3 @@ def run_sft(cfg: Config, say=print, keep_process_group: bool = False) -> Path:
         return root
     finally:
         teardown(keep_process_group=keep_process_group)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_dapo.cli.train import add_common_arguments
-
-    parser.epilog = "Uses the config's `sft` section: train_files (with a 'response' field), total_steps, batch_size, lr, output_dir."
-    add_common_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    from megatron_dapo.config import load_config
-    from megatron_dapo.cli.train import guarded, resolve_config_argument
-
-    from megatron_dapo.trainer.startup import stop_on_full_disk
-
-    def job() -> None:
-        resolve_config_argument(args)
-        cfg = load_config(args.config, args.overrides)
-        # One message, not a traceback per writer; the warm start has no --resume: it is run again.
-        with stop_on_full_disk(cfg.sft.output_dir, key="sft.output_dir", then="then run the warm start again"):
-            run_sft(cfg)
-
-    return guarded(job)

@@ -1,23 +1,24 @@
-"""Start-up shared by `train` and `sft`: pre-flight checks, process groups, tokenizer, actor.
+"""Start-up shared by `train` and `sft`: pre-flight checks, process groups, tokenizer, model weights.
 
 Order matters and is the point of this module: every check that can fail without a model (config
 against the world size and the model's config.json, data files, output directory) runs before
 anything heavy, on every rank, and prints the resolved parallel layout; only then are the process
-groups created and the model loaded. A run that then fills its disk ends with one message
-(`stop_on_full_disk`), not with the traceback of every writer it broke.
+groups created and the model loaded. The actor's weights and, with a KL loss, the frozen
+reference's (a second copy of the same starting weights) load here, through the one `load_models`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dapo.config import Config, ConfigError, read_model_config, validate_model_shape
+from megatron_dapo.config import Config, ConfigError, read_model_config
+from megatron_dapo.trainer.output_dir import check_output_dir, clear_previous_run
+from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.reward.loader import load_reward_function
+
 
 @dataclass
 class Runtime:
@@ -30,80 +31,10 @@ class Runtime:
     hf_config: Any
     """`model.hf_config.HFModelConfig` of `cfg.model.hf_dir`."""
     models: list
-    """This rank's Megatron model chunks (unwrapped, loaded)."""
+    """This rank's Megatron model chunks of the actor (unwrapped, loaded)."""
     output_dir: Path
-
-
-class OutputDirectoryError(ConfigError):
-    """`trainer.output_dir` holds a previous run (and neither --resume nor --overwrite was given), or
-    cannot be created."""
-
-
-# What a run writes under trainer.output_dir (`--overwrite` removes these and nothing else).
-_CHECKPOINTS_DIR = "checkpoints"
-_RUN_FILES = ("metrics.jsonl", "plot.png", "config.yaml", "wandb_run_id")
-_RUN_DIRS = (_CHECKPOINTS_DIR, "tensorboard", "wandb")
-
-
-def check_output_dir(output_dir, *, resume: bool, overwrite: bool) -> list[str]:
-    """Refuse to start a fresh run on top of a previous one (pure: reads the directory only).
-
-    A fresh run (no `resume`) into a non-empty directory would mix its metrics, TensorBoard events
-    and checkpoints with the old run's (and `keep_last` would then prune by step number across both
-    runs); it needs `overwrite`. Also refuses `resume` with `overwrite`, an output_dir that is a
-    file, and one that cannot be created. Returns the names found in the directory.
-    """
-    path = Path(output_dir)
-    if resume and overwrite:
-        raise OutputDirectoryError("--resume continues the run in trainer.output_dir and --overwrite deletes it: give one")
-    if path.exists() and not path.is_dir():
-        raise OutputDirectoryError(f"'trainer.output_dir'={path} is a file, not a directory: choose another trainer.output_dir")
-    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    if entries and not resume and not overwrite:
-        shown = ", ".join(entries[:6]) + (f", ... ({len(entries) - 6} more)" if len(entries) > 6 else "")
-        raise OutputDirectoryError(
-            f"'trainer.output_dir'={path} is not empty ({shown}): a new run there would mix with the previous one. "
-            "Continue that run with --resume, replace it with --overwrite (deletes its checkpoints, metrics and "
-            "TensorBoard logs), or set trainer.output_dir to another directory"
-        )
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not path.exists() and not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputDirectoryError(
-            f"'trainer.output_dir'={path} cannot be created ({existing} is not writable): set trainer.output_dir "
-            "to a directory you can write (the GPU recipes use $SCRATCH)"
-        )
-    return entries
-
-
-def clear_previous_run(output_dir) -> list[str]:
-    """`--overwrite`: delete what an earlier run wrote under `output_dir` (checkpoints, metrics,
-    TensorBoard and W&B files, plot, resolved config); other files stay. Returns the names removed."""
-    import shutil
-
-    path = Path(output_dir)
-    removed = []
-    for name in (*_RUN_DIRS, *_RUN_FILES):
-        target = path / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
-        else:
-            continue
-        removed.append(name)
-    return removed
-
-
-def remove_run_logs(output_dir) -> None:
-    """A fresh record: the metrics and TensorBoard events of an earlier attempt that left no checkpoint
-    (`--resume` with nothing to resume from) would otherwise mix with this run's."""
-    import shutil
-
-    path = Path(output_dir)
-    (path / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(path / "tensorboard", ignore_errors=True)
+    reference_models: Optional[list] = None
+    """The same starting weights again for the frozen KL reference (`start(..., reference=True)`)."""
 
 
 def preflight(
@@ -114,8 +45,6 @@ def preflight(
     `resume` not None: `trainer.output_dir` is checked for a previous run (`check_output_dir`).
     Raises `ConfigError` naming the key (or the file) to change.
     """
-    from megatron_dapo.distributed.layout import ParallelLayout
-
     check_reward_function(cfg)  # user code: the first thing that can fail, so it fails first
     hf_dir = cfg.model.hf_dir
     if not hf_dir:
@@ -124,7 +53,6 @@ def preflight(
     if not config_file.is_file():
         raise ConfigError(f"'model.hf_dir'={hf_dir} is not an HF model directory (no config.json there)")
     hf_json = read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
-    validate_model_shape(cfg, hf_json)
     check_model_files(cfg)
     cfg.resolve_world(world_size)
     if cfg.model.megatron_checkpoint and not Path(cfg.model.megatron_checkpoint).exists():
@@ -150,6 +78,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_model_files(cfg: Config) -> None:
     """The tokenizer files are there, and the weights read at start (`model.hf_dir`'s safetensors,
     unless `model.megatron_checkpoint` replaces them) are complete by their headers."""
+    # `megatron-dapo config` runs these checks and must not load torch: megatron_dapo.model,
+    # distributed.setup / objects, checkpoint.core and transformers do, so they load on first use here.
     from megatron_dapo.model.hf_config import ModelFileError
     from megatron_dapo.model.hf_weights import check_weight_files
 
@@ -184,7 +114,6 @@ def check_reward_function(cfg: Config) -> None:
     custom = cfg.reward.custom_function
     if custom.path is None:
         return
-    from megatron_dapo.reward.loader import load_reward_function
 
     try:
         load_reward_function(custom.path, custom.name)
@@ -200,10 +129,12 @@ def launch_world_size() -> int:
 
 
 def start(
-    cfg: Config, *, needs_data: bool = True, say=print, resume: Optional[bool] = None, overwrite: bool = False
+    cfg: Config, *, needs_data: bool = True, reference: bool = False, say=print, resume: Optional[bool] = None,
+    overwrite: bool = False,
 ) -> Runtime:
     """Pre-flight, then process groups, tokenizer and the loaded model chunks.
 
+    `reference`: also load a second copy of the starting weights, for the frozen KL reference.
     `resume` / `overwrite`: the policy for a previous run in `trainer.output_dir` (`check_output_dir`;
     None: no check); with `overwrite` rank 0 deletes that run's files once every rank passed the checks.
     """
@@ -230,15 +161,19 @@ def start(
         tokenizer.pad_token = tokenizer.eos_token
     hf_config = read_hf_config(cfg.model.hf_dir)
     models = load_models(cfg, hf_config, ctx.layout)
+    reference_models = load_models(cfg, hf_config, ctx.layout) if reference else None
     output_dir = Path(cfg.trainer.output_dir)
     if is_logging_rank():
         output_dir.mkdir(parents=True, exist_ok=True)
-    return Runtime(cfg=cfg, ctx=ctx, tokenizer=tokenizer, hf_config=hf_config, models=models, output_dir=output_dir)
+    return Runtime(
+        cfg=cfg, ctx=ctx, tokenizer=tokenizer, hf_config=hf_config, models=models, output_dir=output_dir,
+        reference_models=reference_models,
+    )  # fmt: skip
 
 
 def load_models(cfg: Config, hf_config: Any, layout: Any) -> list:
     """This rank's model chunks with the starting weights: `model.megatron_checkpoint` when set, else
-    `model.hf_dir` (used for the actor and, with a KL loss, the frozen reference)."""
+    `model.hf_dir`. The one load path of the actor and of the frozen reference."""
     import torch
 
     from megatron_dapo.model.builder import build_gpt_models
@@ -260,102 +195,3 @@ def load_models(cfg: Config, hf_config: Any, layout: Any) -> list:
     else:
         load_hf_into_megatron(models, cfg.model.hf_dir, hf_config)
     return models
-
-
-def write_resolved_config(cfg: Config, output_dir: Path) -> Optional[Path]:
-    """`output_dir/config.yaml`: the configuration this run resolved (rank 0)."""
-    from omegaconf import OmegaConf
-
-    from megatron_dapo.checkpoint.layout import atomic_write_text
-    from megatron_dapo.config import config_to_dict
-    from megatron_dapo.distributed.objects import is_logging_rank
-
-    if not is_logging_rank():
-        return None
-    path = output_dir / "config.yaml"
-    atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg))))
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
-# A full disk: one message instead of every writer's traceback
-# ---------------------------------------------------------------------------------------------
-
-_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# PyTorch's zip writer (torch.save) reports a short write as "[enforce fail at inline_container.cc:...]
-# unexpected pos N vs M" and loses the errno: a full disk or a quota.
-_SHORT_WRITE_MARKERS = ("unexpected pos",)
-
-
-class DiskFullError(OSError):
-    """Writing the run's output failed for lack of space (ENOSPC, a quota, PyTorch's short write)."""
-
-
-def _exception_chain(error: BaseException) -> list[BaseException]:
-    """`error`, its causes and contexts, and the per-rank errors a torch.distributed.checkpoint
-    `CheckpointException` carries (its `failures`: rank -> exception or (exception, traceback))."""
-    seen: list[BaseException] = []
-    pending = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or any(current is s for s in seen):
-            continue
-        seen.append(current)
-        pending += [current.__cause__, current.__context__]
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            for value in failures.values():
-                pending.append(value[0] if isinstance(value, tuple) and value else value)
-    return [e for e in seen if isinstance(e, BaseException)]
-
-
-def _free_bytes(directory: Path) -> Optional[int]:
-    for candidate in (directory, *directory.parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
-    return None
-
-
-RESUME_ADVICE = "then continue with --resume: it starts from the last complete checkpoint (an interrupted save is never used)"
-
-
-def disk_full_error(
-    error: BaseException, output_dir: os.PathLike | str, key: str = "trainer.output_dir", then: str = RESUME_ADVICE
-) -> Optional[DiskFullError]:
-    """A `DiskFullError` saying what to do when `error` (or anything it carries) is a write that
-    failed for lack of space under `output_dir`, else None.
-
-    Looks for ENOSPC / EDQUOT anywhere in the chain (the metrics file, a checkpoint writer on another
-    thread, the plot) and for PyTorch's short-write error: the first failure and everything it broke
-    on the way out are one problem."""
-    directory = Path(output_dir)
-    chain = _exception_chain(error)
-    no_space = next((e for e in chain if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS), None)
-    if no_space is None and not any(marker in str(e) for e in chain for marker in _SHORT_WRITE_MARKERS):
-        return None
-    free = _free_bytes(directory)
-    what = "no space left" if no_space is None or no_space.errno == errno.ENOSPC else "disk quota exceeded"
-    where = f" (writing {no_space.filename})" if no_space is not None and no_space.filename else ""
-    left = "" if free is None else f"; {free / 2**20:.1f} MiB free now"
-    return DiskFullError(
-        errno.ENOSPC,
-        f"{what} on the disk of {key}={directory}{where}{left}. Free some space or set "
-        f"{key} to a larger disk (moving the directory there), {then}",
-    )
-
-
-@contextmanager
-def stop_on_full_disk(output_dir: os.PathLike | str, key: str = "trainer.output_dir", then: str = RESUME_ADVICE):
-    """Turn a failure caused by a full disk under `output_dir` (the config's `key`) into one
-    `DiskFullError` (see `disk_full_error`) whose advice ends with `then`; any other error passes unchanged."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
-    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        full = disk_full_error(error, output_dir, key, then)
-        if full is None:
-            raise
-        raise full from None

@@ -1,14 +1,10 @@
-"""The conversion commands as a user runs them: tools/*.py and `megatron-dapo convert ...`.
+"""The conversion commands as a user runs them, as processes: tools/*.py and `megatron-dapo convert ...`.
 
-Help texts; clear one-line errors with exit code 2 (missing directory, no config.json, a TP / PP
-that does not divide the model, a non-empty output without --overwrite, nothing complete to
-export, an output inside the checkpoint); and an end-to-end run: `megatron-dapo convert
+An error reaches the shell as one line with exit code 2; an end-to-end run: `megatron-dapo convert
 hf-to-megatron --verify-logits` (its Megatron vs HF block-by-block check passes), then
-tools/convert_megatron_to_hf.py restores the exact tensors.
-
-The error cases call the tools' `main(argv)` in this process (they fail before any Megatron state
-exists, and a Python start-up per case would dominate the run time); one of them also runs as a
-real subprocess to check the exit status and stderr a shell sees.
+tools/convert_megatron_to_hf.py restores the exact tensors (and refuses an output inside the
+checkpoint); a conversion whose write fails leaves its output as it was, exit code 1.
+Help texts and every bad-input case, in this process: tests/cli/test_convert.py.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[2]
 HF_TO_MEGATRON = [sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py")]
 MEGATRON_TO_HF = [sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py")]
-CLI = [sys.executable, "-m", "megatron_dapo.cli.main", "convert"]
+CLI = [sys.executable, "-m", "megatron_dapo.cli", "convert"]
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -34,6 +30,14 @@ def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _tool(name: str):
+    """The `main(argv)` of a tools/ script, imported from its file."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def test_parse_size():
@@ -46,86 +50,10 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_help_explains_both_directions():
-    forward = _run([*HF_TO_MEGATRON, "--help"])
-    assert forward.returncode == 0
-    for text in ("--hf-dir", "--tp", "--pp", "--vpp", "--overwrite", "--verify-logits", "ANY tensor"):
-        assert text in forward.stdout
-    backward = _run([*MEGATRON_TO_HF, "--help"])
-    assert backward.returncode == 0
-    for text in ("--megatron-dir", "--max-shard-size", "--hf-config-dir", "latest complete"):
-        assert text in backward.stdout
-    top = _run([*CLI, "--help"])
-    assert top.returncode == 0 and "hf-to-megatron" in top.stdout and "megatron-to-hf" in top.stdout
-
-
-@pytest.fixture()
-def not_a_model(tmp_path) -> Path:
-    path = tmp_path / "not_a_model"
-    path.mkdir()
-    (path / "README.md").write_text("no config here")
-    return path
-
-
-def _tool(name: str):
-    """The `main(argv)` of a tools/ script, imported from its file."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-@pytest.mark.parametrize(
-    "case, message",
-    [
-        ("missing_dir", "does not exist"),
-        ("no_config", "no config.json in"),
-        ("tp3", "parallel.tp=3 does not divide model num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
-        ("pp3", "parallel.pp=3 does not divide model num_hidden_layers=4"),
-        ("non_empty_output", "is not empty: choose another one or pass --overwrite"),
-        ("truncated_weights", "bytes but its header describes"),
-    ],
-)
-def test_hf_to_megatron_errors(case, message, tiny_model_dirs, not_a_model, tmp_path, capsys):
-    hf_dir, output, extra = tiny_model_dirs["qwen2"], tmp_path / "out", []
-    if case == "truncated_weights":  # a copy cut short: named from the header, before anything is written
-        import shutil
-
-        hf_dir = Path(shutil.copytree(hf_dir, tmp_path / "cut"))
-        os.truncate(hf_dir / "model.safetensors", (hf_dir / "model.safetensors").stat().st_size - 1000)
-    if case == "missing_dir":
-        hf_dir = tmp_path / "missing"
-    elif case == "no_config":
-        hf_dir = not_a_model
-    elif case == "tp3":
-        extra = ["--tp", "3"]
-    elif case == "pp3":
-        extra = ["--pp", "3"]
-    elif case == "non_empty_output":
-        output.mkdir()
-        (output / "something").write_text("x")
-    code = _tool("convert_hf_to_megatron")(["--hf-dir", str(hf_dir), "--output", str(output), *extra])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err, err
-    if case != "non_empty_output":
-        assert not output.exists()  # nothing is written before the inputs are checked
-
-
-def test_megatron_to_hf_errors(tmp_path, tiny_model_dirs, capsys):
-    main = _tool("convert_megatron_to_hf")
-    assert main(["--megatron-dir", str(tmp_path / "missing"), "--output", str(tmp_path / "o")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    root = tmp_path / "root"
-    (root / ".tmp-step_00000005" / "dist").mkdir(parents=True)
-    assert main(["--megatron-dir", str(root), "--output", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert "no complete checkpoint" in err and ".tmp-step_00000005" in err
-
-
 def test_errors_reach_the_shell_as_one_line(tmp_path):
     result = _run([*CLI, "hf-to-megatron", "--hf-dir", str(tmp_path / "missing"), "--output", str(tmp_path / "o")])
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: HF model directory {tmp_path / 'missing'} does not exist"
+    assert result.stderr.strip() == f"megatron-dapo: error: HF model directory {tmp_path / 'missing'} does not exist"
 
 
 def test_end_to_end_with_logits_check(tiny_model_dirs, tmp_path, capsys):
@@ -173,7 +101,7 @@ def test_a_failed_conversion_leaves_the_output_as_it_was(tiny_model_dirs, tmp_pa
     failed = _run([sys.executable, "-c", _NO_SPACE_AT_SIDE_FILES, "convert", "hf-to-megatron", "--hf-dir", str(hf_dir),
                    "--output", str(fresh), "--no-progress"])  # fmt: skip
     assert failed.returncode == 1, failed.stderr[-3000:]
-    assert f"error: writing {fresh} failed (no space left on the disk of {tmp_path})" in failed.stderr
+    assert f"megatron-dapo: error: writing {fresh} failed (no space left on the disk of {tmp_path})" in failed.stderr
     assert "Traceback" not in failed.stderr
     assert not fresh.exists() and _leftovers(fresh) == []
 

@@ -91,7 +91,7 @@ def test_round_trip_is_bit_identical(arch, hf_dirs, converted):
 def test_expert_parallel_that_does_not_divide_is_refused(converted):
     _, observed = converted
     assert observed["ep3"] == (
-        "ExpertParallelError: parallel.ep=3 does not divide the model's num_experts=4: use parallel.ep in {1, 2, 4}"
+        "ConversionError: parallel.ep=3 does not divide the model's num_experts=4: use parallel.ep in {1, 2, 4}"
     )
     assert observed["ep3_output_exists"] is False
 

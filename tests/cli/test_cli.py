@@ -1,16 +1,17 @@
-"""The console entry point: help, config command, and the demo (the README's main command today)."""
+"""The console entry point as a shell runs it: help (and what it imports), the config command, the
+train command's arguments, and the demo (the README's main command)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "megatron_dapo.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "megatron_dapo.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -18,6 +19,21 @@ def test_help_lists_commands():
     out = run_cli("--help")
     assert out.returncode == 0
     assert "demo" in out.stdout and "config" in out.stdout
+
+
+def test_help_imports_no_torch():
+    """cli/ is the one place with lazy imports: building every command's parser (what `--help` does)
+    loads no library module that imports torch."""
+    probe = (
+        "import sys\n"
+        "from megatron_dapo.cli.main import SUBCOMMANDS, build_parser\n"
+        "build_parser()\n"
+        "assert all(module in sys.modules for module, _ in SUBCOMMANDS.values())\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'transformers', 'megatron', 'pyarrow')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]
 
 
 def test_config_command_prints_resolved_config_or_error():

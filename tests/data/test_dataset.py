@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_dapo.config import Config
-from megatron_dapo.data.arithmetic import build_tokenizer, dapo_prompt, make_problems
+from megatron_dapo.data.arithmetic import build_tokenizer, make_problems
 from megatron_dapo.data.dataset import DatasetError, PromptDataset, datasets_from_config
-from megatron_dapo.data.prepare import make_record, write_records
+from megatron_dapo.data.prepare import dapo_prompt, make_record, write_records
 
 
 @pytest.fixture(scope="module")

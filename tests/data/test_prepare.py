@@ -1,37 +1,27 @@
-"""Tests for writing verl/DAPO prompt datasets (megatron_dapo/data/prepare.py, tools/prepare_data.py)."""
+"""Writing verl/DAPO prompt datasets (megatron_dapo/data/prepare.py) and the arithmetic demo's data
+(megatron_dapo/data/arithmetic.py). The command, `prepare-data`: tests/cli/test_prepare_data.py."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_dapo.data.arithmetic import (
-    DAPO_INSTRUCTION_PREFIX,
-    DAPO_INSTRUCTION_SUFFIX,
+    ARITHMETIC_DATA_SOURCE,
     build_tokenizer,
     make_problems,
-    to_dapo_record,
+    worked_solution,
+    write_arithmetic_dataset,
 )
 from megatron_dapo.data.dataset import DatasetError, PromptDataset
 from megatron_dapo.data.prepare import (
-    add_arguments,
+    DAPO_INSTRUCTION_PREFIX,
+    DAPO_INSTRUCTION_SUFFIX,
     make_record,
-    prepare,
+    prepare_dataset,
     read_records,
-    write_arithmetic_dataset,
     write_records,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("prepare_data_script", REPO_ROOT / "tools" / "prepare_data.py")
-prepare_data = importlib.util.module_from_spec(_spec)  # tools/prepare_data.py, the plain script
-_spec.loader.exec_module(prepare_data)
 
 QUESTIONS = [
     {"question": "What is the smallest prime?", "answer": "2"},
@@ -47,13 +37,6 @@ def tokenizer():
     return build_tokenizer()
 
 
-@pytest.fixture()
-def questions_file(tmp_path) -> Path:
-    path = tmp_path / "questions.jsonl"
-    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    return path
-
-
 def test_make_record_is_the_dapo_schema():
     record = make_record("What is 1 + 2?", "3", index=4, split="train", data_source="math_dapo")
     assert record == {
@@ -64,10 +47,6 @@ def test_make_record_is_the_dapo_schema():
         "extra_info": {"index": 4, "split": "train", "question": "What is 1 + 2?", "answer": "3"},
     }
     assert record["prompt"][0]["content"].startswith("Solve the following math problem step by step.")
-    problem = make_problems(1, seed=0)[0]  # the arithmetic task's records follow the same schema
-    assert make_record(problem.question, problem.answer, index=0, split="val", data_source="synthetic/arithmetic") == (
-        to_dapo_record(problem, index=0, split="val")
-    )
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
@@ -89,99 +68,29 @@ def test_write_refuses_bad_suffix_and_empty(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_round_trip_into_the_dataset(questions_file, tmp_path, tokenizer, capsys):
-    output = tmp_path / "train.parquet"
-    assert prepare_data.main(["--input", str(questions_file), "--output", str(output), "--data-source", "my/math"]) == 0
-    assert f"wrote 5 records to {output}" in capsys.readouterr().out
-    dataset = PromptDataset.load([output], tokenizer, max_prompt_length=512)
-    assert [e.ground_truth for e in dataset] == ["2", "6", "27", "\\frac{5}{2}", "-1"]
-    for example, question in zip(dataset, QUESTIONS):
-        decoded = tokenizer.decode(example.prompt_ids)
-        assert decoded == (
-            "<|im_start|>user\n" + DAPO_INSTRUCTION_PREFIX + question["question"] + DAPO_INSTRUCTION_SUFFIX
-            + "<|im_end|>\n<|im_start|>assistant\n"
-        )  # fmt: skip
-        assert example.data_source == "my/math"
-        assert example.extra_info["split"] == "train"
-
-
-def test_cli_holds_out_a_validation_set(questions_file, tmp_path):
-    def split(seed: int):
-        train, val = tmp_path / f"train{seed}.jsonl", tmp_path / f"val{seed}.parquet"
-        argv = ["--input", str(questions_file), "--output", str(train), "--val-output", str(val), "--val-size", "2",
-                "--seed", str(seed)]  # fmt: skip
-        assert prepare_data.main(argv) == 0
-        return read_records(train), read_records(val)
-
-    train, val = split(seed=3)
-    assert (len(train), len(val)) == (3, 2)
-    train_index = [r["extra_info"]["index"] for r in train]
-    val_index = [r["extra_info"]["index"] for r in val]
-    assert sorted(train_index + val_index) == list(range(5)) and train_index == sorted(train_index)
-    assert {r["extra_info"]["split"] for r in train} == {"train"} and {r["extra_info"]["split"] for r in val} == {"test"}
-    for record in train + val:  # each record still carries its own question's answer
-        assert record["reward_model"]["ground_truth"] == str(QUESTIONS[record["extra_info"]["index"]]["answer"])
-    assert split(seed=3) == (train, val), "the hold-out is deterministic"
-    assert any(split(seed=s)[1] != val for s in range(4, 10)), "and depends on the seed"
-
-
 @pytest.mark.parametrize(
-    "lines, extra_args, expected",
+    "lines, extra, expected",
     [
-        (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": '], [], r"line 2: invalid JSON"),
-        (['{"question": "a", "answer": "1"}', "", '{"question": "b"}'], [], r"line 3: missing 'answer'"),
-        (['{"question": "", "answer": "1"}'], [], r"line 1: 'question' is empty"),
-        (['{"question": "a", "answer": "1"}', '{"question": null, "answer": "2"}'], [], r"line 2: 'question' is null"),
-        (['{"question": "a", "answer": [1]}'], [], r"line 1: 'answer' must be a string"),
-        (["[1, 2]"], [], r"line 1: expected a JSON object"),
-        ([""], [], r"no questions in the input"),
-        (['{"question": "a", "answer": "1"}'], ["--val-size", "1"], r"--val-output and --val-size go together"),
-        (['{"question": "a", "answer": "1"}'] * 3, ["--val-output", "v.jsonl", "--val-size", "3"], r"--val-size must be between 1 and 2"),
+        (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": '], {}, r"line 2: invalid JSON"),
+        (['{"question": "a", "answer": "1"}', "", '{"question": "b"}'], {}, r"line 3: missing 'answer'"),
+        (['{"question": "", "answer": "1"}'], {}, r"line 1: 'question' is empty"),
+        (['{"question": "a", "answer": "1"}', '{"question": null, "answer": "2"}'], {}, r"line 2: 'question' is null"),
+        (['{"question": "a", "answer": [1]}'], {}, r"line 1: 'answer' must be a string"),
+        (["[1, 2]"], {}, r"line 1: expected a JSON object"),
+        ([""], {}, r"no questions in the input"),
+        (['{"question": "a", "answer": "1"}'], {"val_size": 1}, r"--val-output and --val-size go together"),
+        (['{"question": "a", "answer": "1"}'] * 3, {"val_output": "v.jsonl", "val_size": 3}, r"--val-size must be between 1 and 2"),
+        (['{"question": "a", "answer": "1"}'], {"output": "o.txt"}, r"o.txt: the output must end in .parquet or .jsonl"),
+        (['{"question": "a", "answer": "1"}'], {"output": "in.jsonl"}, r"the output would overwrite the input"),
     ],
 )
-def test_cli_errors_name_the_problem(tmp_path, capsys, monkeypatch, lines, extra_args, expected):
+def test_prepare_dataset_names_the_problem_before_writing(tmp_path, monkeypatch, lines, extra, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    assert prepare_data.main(["--input", "in.jsonl", "--output", "out.parquet", *extra_args]) == 2
-    assert capsys.readouterr().err.startswith("error: ")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    arguments = {"output": "out.parquet", **extra}
     with pytest.raises(DatasetError, match=expected):
-        prepare(parser.parse_args(["--input", "in.jsonl", "--output", "out.parquet", *extra_args]))
-    assert not (tmp_path / "out.parquet").exists()
-
-
-@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
-def test_input_that_is_not_utf8_names_the_line(tmp_path, capsys, suffix):
-    """A Latin-1 file (e.g. exported from a spreadsheet): the line and byte, not a UnicodeDecodeError."""
-    source = tmp_path / f"in{suffix}"
-    lines = ['{"question": "What is 1 + 1?", "answer": "2"}', '{"question": "Caf\u00e9: 2 + 2?", "answer": "4"}']
-    source.write_bytes(("\n".join(lines) + "\n").encode("latin-1"))
-    assert prepare_data.main(["--input", str(source), "--output", str(tmp_path / "o.parquet")]) == 2
-    err = capsys.readouterr().err
-    assert f"in{suffix} line 2: not UTF-8 text (byte 18 of the line is 0xe9)" in err and "Traceback" not in err
-    assert not (tmp_path / "o.parquet").exists()
-    from megatron_dapo.data.dataset import iter_records  # the trainer's reader of data.train_files says the same
-
-    with pytest.raises(DatasetError, match="line 2: not UTF-8"):
-        list(iter_records(source))
-
-
-def test_cli_missing_input_and_bad_output(tmp_path, capsys):
-    assert prepare_data.main(["--input", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "o.parquet")]) == 2
-    assert "none.jsonl: input file not found" in capsys.readouterr().err
-    (tmp_path / "q.jsonl").write_text('{"question": "a", "answer": "1"}\n')
-    assert prepare_data.main(["--input", str(tmp_path / "q.jsonl"), "--output", str(tmp_path / "o.txt")]) == 2
-    assert "must end in .parquet or .jsonl" in capsys.readouterr().err
-
-
-def test_script_help_explains_the_schema():
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "prepare_data.py"), "--help"], capture_output=True, text=True, cwd="/"
-    )
-    assert result.returncode == 0, result.stderr
-    for needle in ("reward_model", "ground_truth", "data_source", "extra_info", "--val-size", "Answer: $Answer"):
-        assert needle in result.stdout
+        prepare_dataset("in.jsonl", arguments.pop("output"), **arguments)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
 def test_arithmetic_dataset_holds_out_distinct_validation_questions(tmp_path, tokenizer):
@@ -199,6 +108,19 @@ def test_arithmetic_dataset_holds_out_distinct_validation_questions(tmp_path, to
     again = write_arithmetic_dataset(tmp_path / "again", num_train=300, num_val=40, seed=5, max_operand=12)
     assert read_records(again[0]) == train and read_records(again[1]) == val
     assert len(PromptDataset.load([train_path], tokenizer, max_prompt_length=256)) == 300
+    # The arithmetic task's records are the schema of `make_record`, and the SFT file holds the same
+    # records with the worked solution of their own problem as the response.
+    first = train[0]["extra_info"]
+    assert train[0] == make_record(first["question"], first["answer"], index=0, split="train", data_source=ARITHMETIC_DATA_SOURCE)
+    sft = read_records(write_arithmetic_dataset(tmp_path / "sft", 300, 40, seed=5, max_operand=12, sft_file=tmp_path / "sft.jsonl")[0])
+    with_responses = read_records(tmp_path / "sft.jsonl")
+    assert sft == train and [{k: v for k, v in r.items() if k != "response"} for r in with_responses] == train
+    for record in with_responses:
+        a, op, b = record["extra_info"]["question"].removeprefix("What is ").removesuffix("?").split()
+        assert record["response"].endswith(f"\nAnswer: {record['reward_model']['ground_truth']}")
+        assert f"{a} {op} {b} = {record['reward_model']['ground_truth']}" in record["response"]
+    problem = make_problems(1, seed=0)[0]
+    assert worked_solution(problem).splitlines()[-1] == f"Answer: {problem.answer}"
 
 
 def test_arithmetic_dataset_too_small_universe():

@@ -127,3 +127,15 @@ def test_shard_for_rank_errors():
         shard_for_rank(list(range(8)), 4, 4)
     with pytest.raises(ValueError, match="world size"):
         shard_for_rank(list(range(8)), 0, 0)
+
+
+def test_shard_for_rank_uneven_shares_differ_by_at_most_one():
+    """A validation set of any size: contiguous shares, sizes within one, nothing lost or repeated."""
+    for length in range(0, 12):
+        for world in range(1, 5):
+            shares = [shard_for_rank(list(range(length)), rank, world, even=False) for rank in range(world)]
+            assert [i for share in shares for i in share] == list(range(length))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+            if length % world == 0:  # an even split is the even rule's
+                assert shares == [shard_for_rank(list(range(length)), rank, world) for rank in range(world)]
+    assert [shard_for_rank(list(range(8)), rank, 3, even=False) for rank in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]

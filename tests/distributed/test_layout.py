@@ -1,10 +1,21 @@
-"""ParallelLayout: validation messages, derived data-parallel size, rank groups, layer placement."""
+"""The layout rules (sizes, model shape, world size, rollout TP, batch split) and their messages;
+ParallelLayout: derived data-parallel size, rank groups, layer placement."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.distributed.layout import ParallelLayout, divisors
+from megatron_dapo.distributed.layout import (
+    LayoutError,
+    ParallelLayout,
+    check_batch_split,
+    check_model_shape,
+    check_rollout_tp,
+    check_sizes,
+    check_world_size,
+    divisors,
+)
+from megatron_dapo.errors import InputError
 
 
 def test_divisors():
@@ -12,38 +23,105 @@ def test_divisors():
     assert divisors(7) == [1, 7]
 
 
+def test_a_broken_rule_is_bad_input():
+    """The one error handler reports it in one line with exit 2; callers that catch ValueError still do."""
+    assert issubclass(LayoutError, InputError) and issubclass(LayoutError, ValueError)
+
+
 def test_tp_must_divide_heads_message_names_key_and_fix():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(LayoutError) as err:
         ParallelLayout(tp=3).validate(num_attention_heads=16)
     assert str(err.value) == (
-        "parallel.tp=3 does not divide model num_attention_heads=16: use parallel.tp in {1, 2, 4, 8, 16}"
+        "'parallel.tp'=3 does not divide the model's num_attention_heads=16: use parallel.tp in {1, 2, 4, 8, 16}"
     )
 
 
 def test_tp_must_divide_query_groups():
-    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide model num_key_value_heads=2 .*\{1, 2\}"):
+    with pytest.raises(LayoutError, match=r"'parallel.tp'=4 does not divide the model's num_key_value_heads=2 .*\{1, 2\}"):
         ParallelLayout(tp=4).validate(num_attention_heads=16, num_query_groups=2)
 
 
+def test_model_shape_against_tp_pp_and_vpp():
+    """A model of 16 heads, 4 query groups and 6 layers."""
+    shape = dict(num_attention_heads=16, num_query_groups=4, num_layers=6)
+    with pytest.raises(LayoutError, match=r"'parallel.tp'=3 does not divide the model's num_attention_heads=16"):
+        check_model_shape(3, 1, None, **shape)
+    with pytest.raises(LayoutError, match=r"num_key_value_heads=4 .*use parallel.tp in \{1, 2, 4\}"):
+        check_model_shape(8, 1, None, **shape)
+    with pytest.raises(LayoutError, match="num_hidden_layers=6 is not divisible by parallel.pp x parallel.vpp = 4"):
+        check_model_shape(1, 4, None, **shape)
+    check_model_shape(4, 3, None, **shape)
+    check_model_shape(5, 7, None)  # nothing known about the model: nothing to check
+
+
 def test_world_must_be_multiple_of_model_parallel_size():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by .* = 4: launch a multiple of 4"):
+    with pytest.raises(LayoutError, match=r"world size 6 is not divisible by .* = 4: launch a multiple of 4"):
         ParallelLayout(tp=2, pp=2).validate(world_size=6)
     ParallelLayout(tp=2, pp=2).validate(world_size=8)
+    with pytest.raises(LayoutError, match=r"world size 3 is not divisible.*their product must be in \{1, 3\}"):
+        check_world_size(3, 2, 1, 1)
+    assert check_world_size(4, 2, 1, 1) == 2
+    assert check_world_size(16, 2, 2, 2) == 2
+
+
+@pytest.mark.parametrize("world_size", [0, -2])
+def test_world_size_below_one_is_refused(world_size):
+    with pytest.raises(LayoutError, match=rf"world size {world_size}: a run needs at least one process"):
+        check_world_size(world_size, 1, 1, 1)
+    with pytest.raises(LayoutError, match=rf"world size {world_size}: a run needs at least one process"):
+        check_rollout_tp(world_size, 1)
+
+
+def test_rollout_tp_must_divide_the_world():
+    with pytest.raises(LayoutError, match=r"'rollout.tp'=4 must divide the world size 6: .*use rollout.tp in \{1, 2, 3, 6\}"):
+        check_rollout_tp(6, 4)
+    with pytest.raises(LayoutError, match=r"'rollout.tp' must be >= 1, got 0"):
+        check_rollout_tp(8, 0)
+    check_rollout_tp(8, 4)
+
+
+def test_batches_split_over_data_parallel_ranks():
+    """trainer.ppo_mini_batch_size=2 x rollout.n=3 = 6 sequences per mini-batch."""
+    batches = dict(ppo_mini_batch_size=2, n=3, micro_batch_size=1, max_tokens_per_micro_batch=0, gen_batch_size=4,
+                   train_batch_size=4)  # fmt: skip
+    with pytest.raises(LayoutError, match="cannot be split evenly over 4 data-parallel ranks"):
+        check_batch_split(4, **batches)
+    check_batch_split(2, **batches)
+    with pytest.raises(LayoutError, match="'trainer.micro_batch_size'=2"):
+        check_batch_split(2, **{**batches, "micro_batch_size": 2})
+    check_batch_split(2, **{**batches, "micro_batch_size": 2, "max_tokens_per_micro_batch": 4096})  # token budget
+
+
+def test_prompt_batches_split_over_replicas():
+    batches = dict(ppo_mini_batch_size=1, n=4, micro_batch_size=1, max_tokens_per_micro_batch=0, gen_batch_size=6,
+                   train_batch_size=4)  # fmt: skip
+    with pytest.raises(LayoutError, match=r"'trainer.gen_batch_size'=6 prompts cannot be split evenly over 4"):
+        check_batch_split(4, **batches)
+    check_batch_split(2, **batches)
+    with pytest.raises(LayoutError, match=r"'trainer.train_batch_size'=4 is not divisible by 8 data-parallel replicas"):
+        check_batch_split(8, **{**batches, "gen_batch_size": 8, "n": 8})
 
 
 def test_layers_must_split_over_pp_and_vpp():
-    with pytest.raises(ValueError, match=r"parallel.pp=3 does not divide model num_hidden_layers=28: use parallel.pp in"):
+    with pytest.raises(LayoutError, match=r"num_hidden_layers=28 is not divisible by parallel.pp x parallel.vpp = 3: use parallel.pp in"):
         ParallelLayout(pp=3).validate(num_layers=28)
-    with pytest.raises(ValueError, match=r"parallel.pp x parallel.vpp = 2 x 3 = 6 does not divide model num_hidden_layers=28"):
+    with pytest.raises(LayoutError, match=r"num_hidden_layers=28 is not divisible by parallel.pp x parallel.vpp = 2 x 3 = 6"):
         ParallelLayout(pp=2, vpp=3).validate(num_layers=28)
     ParallelLayout(pp=2, vpp=2).validate(num_layers=28)
 
 
 def test_vpp_needs_pp_and_sizes_positive():
-    with pytest.raises(ValueError, match="parallel.vpp=2 needs pipeline parallelism"):
+    with pytest.raises(LayoutError, match="'parallel.vpp'=2 needs pipeline parallelism"):
         ParallelLayout(vpp=2).validate()
-    with pytest.raises(ValueError, match=r"parallel.cp=0 must be a positive integer"):
+    with pytest.raises(LayoutError, match=r"'parallel.cp' must be >= 1, got 0"):
         ParallelLayout(cp=0).validate()
+    with pytest.raises(LayoutError, match=r"'parallel.tp' must be >= 1"):
+        check_sizes(tp=0)
+    with pytest.raises(LayoutError, match=r"'rollout.tp' must be >= 1, got 0"):
+        check_sizes(rollout_tp=0)
+    with pytest.raises(LayoutError, match=r"'parallel.vpp' must be null or >= 1, got 0"):
+        check_sizes(pp=2, vpp=0)
+    check_sizes(tp=2, pp=1, cp=2, vpp=1, rollout_tp=4)  # one chunk per stage is no interleaving
 
 
 def test_dp_is_derived_and_needs_world():

@@ -48,6 +48,13 @@ def build_hf_tokenizer(corpus: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", clean_up_tokenization_spaces=False)
 
 
+def char_batch(texts: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Lists of ids with an EOS (special, counted in the length, dropped when decoding)."""
+    tok = CharTokenizer()
+    ids = [tok.encode(t) + [PAD_ID] for t in texts]
+    return ids, [len(i) for i in ids]
+
+
 def answer_is_ground_truth(response: str, ground_truth: str) -> float:
     """1.0 when the response ends with the ground truth, else 0.0 (a float, no acc given)."""
     return 1.0 if response.endswith(ground_truth) else 0.0

@@ -1,22 +1,22 @@
-"""RewardManager: scores against an independent per-sample loop, failure handling (raising,
-hanging, crashing reward functions), worker loading of user functions, keyword passing, the
-token-level placement and the metrics."""
+"""RewardManager: scores against an independent per-sample loop, failures of the reward function
+(raising, unusable return values), worker loading of user functions, keyword passing. What the
+worker pool does about hangs, crashes and signals: test_pool.py."""
 
 from __future__ import annotations
 
 import logging
 import os
 import textwrap
-import time
 
 import pytest
 import torch
 
 from megatron_dapo.reward.loader import load_reward_function
-from megatron_dapo.reward.manager import RewardManager, RewardResult, reward_metrics, token_level_rewards
+from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.reward.math_dapo import compute_score
 
 from . import _fixtures as fx
+from ._fixtures import char_batch
 
 MAX_LEN, BUFFER, FACTOR = 60, 20, 1.0
 OVERLONG = dict(
@@ -50,13 +50,6 @@ def reference(texts, truths, lengths):
     results = [compute_score(t, g) for t, g in zip(texts, truths)]
     scores = torch.tensor([r["score"] + eq13(n) for r, n in zip(results, lengths)], dtype=torch.float32)
     return scores, torch.tensor([r["acc"] for r in results]), [r["pred"] for r in results]
-
-
-def char_batch(texts):
-    """Lists of ids with an EOS (special, counted in the length, dropped when decoding)."""
-    tok = fx.CharTokenizer()
-    ids = [tok.encode(t) + [fx.PAD_ID] for t in texts]
-    return ids, [len(i) for i in ids]
 
 
 def padded(ids):
@@ -127,8 +120,6 @@ def test_all_padding_rows_in_a_padded_tensor():
     manager = RewardManager(fx.CharTokenizer(), num_workers=0, **OVERLONG)
     result = manager.score(torch.zeros(3, 5, dtype=torch.long), ["1", "2", "3"], torch.zeros(3, dtype=torch.long))
     assert result.responses == ["", "", ""] and result.scores.tolist() == [-1.0] * 3
-    rewards = token_level_rewards(result.scores, torch.zeros(3, 5))
-    assert torch.equal(rewards, torch.zeros(3, 5))
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -136,7 +127,6 @@ def test_empty_batch(num_workers):
     with RewardManager(fx.CharTokenizer(), num_workers=num_workers, **OVERLONG) as manager:
         result = manager.score([], [])
     assert result.scores.shape == (0,) and result.responses == [] and result.preds == []
-    assert reward_metrics(result) == {}
 
 
 def test_input_validation():
@@ -221,45 +211,6 @@ def test_float_scorer_acc_from_sign():
     assert result.scores.tolist() == [1.0, 0.0] and result.acc.tolist() == [True, False] and result.preds == [None, None]
 
 
-@pytest.mark.timeout(120)
-def test_hanging_scorer_times_out_while_others_keep_their_scores(caplog):
-    texts = [f"sample {i}" for i in range(10)]
-    texts[2] = "spin forever"  # pure-python busy loop
-    texts[6] = "sleep forever"  # blocked in a system call
-    texts[7] = "spin too"  # a second hang in the same chunk as 'sleep'
-    ids, _ = char_batch(texts)
-    caplog.set_level(logging.WARNING, logger="megatron_dapo.reward")
-    with RewardManager(fx.CharTokenizer(), fx.hangs_on_marker, num_workers=2, timeout_s=1.0, chunk_size=4) as manager:
-        start = time.monotonic()
-        result = manager.score(ids, ["g"] * 10)
-        elapsed = time.monotonic() - start
-        assert result.failed.nonzero().flatten().tolist() == [2, 6, 7]
-        assert result.scores.tolist() == [2.0, 2.0, -1.0, 2.0, 2.0, 2.0, -1.0, -1.0, 2.0, 2.0]
-        assert result.responses == texts  # text of the lost samples is decoded by the parent
-        assert 1.0 <= elapsed < 15.0, elapsed
-        assert any("timed out after 1 s" in r.getMessage() for r in caplog.records)
-        # The killed workers were replaced: the next batch is scored normally.
-        again = manager.score(char_batch(["a", "b", "c"])[0], ["g"] * 3)
-        assert again.scores.tolist() == [2.0, 2.0, 2.0] and not again.failed.any()
-
-
-def test_worker_that_dies_fails_only_its_sample():
-    texts = ["ok", "die now", "ok", "ok", "ok"]
-    with RewardManager(fx.CharTokenizer(), fx.exits_on_marker, num_workers=2, chunk_size=5) as manager:
-        result = manager.score(char_batch(texts)[0], ["g"] * 5)
-    assert result.failed.tolist() == [False, True, False, False, False]
-    assert result.scores.tolist() == [1.0, -1.0, 1.0, 1.0, 1.0]
-
-
-def test_worker_that_cannot_load_the_tokenizer_fails_loudly():
-    ids = char_batch(["Answer: 1"])[0]
-    with RewardManager(fx.ParentOnlyTokenizer(), num_workers=1) as manager:
-        with pytest.raises(RuntimeError, match="loading the tokenizer in a reward worker failed.*decode_in_workers=False"):
-            manager.score(ids, ["1"])
-    with RewardManager(fx.ParentOnlyTokenizer(), num_workers=1, decode_in_workers=False) as manager:
-        assert manager.score(ids, ["1"]).scores.tolist() == [1.0]
-
-
 # ------------------------------------------------------------------------------------------
 # User functions and keyword arguments
 # ------------------------------------------------------------------------------------------
@@ -325,135 +276,3 @@ def test_data_source_and_extra_info_passing(num_workers):
     ]
     only_source = RewardManager(fx.CharTokenizer(), fx.sees_data_source_only)
     assert only_source.score(ids, ["g", "g"], data_sources=sources, extra_infos=infos).preds == sources
-
-
-# ------------------------------------------------------------------------------------------
-# Pool lifecycle
-# ------------------------------------------------------------------------------------------
-
-
-def _gone(pid: int, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def test_pool_is_reused_across_calls_and_closed():
-    ids = char_batch([str(i) for i in range(8)])[0]
-    manager = RewardManager(fx.CharTokenizer(), fx.worker_pid, num_workers=2, chunk_size=1)
-    first = set(manager.score(ids, ["g"] * 8).preds)
-    second = set(manager.score(ids, ["g"] * 8).preds)
-    assert len(first | second) <= 2  # both calls ran on the same (at most two) worker processes
-    manager.close()
-    assert all(_gone(pid) for pid in first | second)
-    # A closed manager starts a fresh pool when used again.
-    third = set(manager.score(ids, ["g"] * 8).preds)
-    assert third.isdisjoint(first | second)
-    manager.close()
-
-
-# ------------------------------------------------------------------------------------------
-# Token-level placement and metrics
-# ------------------------------------------------------------------------------------------
-
-
-def test_token_level_rewards_matches_a_loop():
-    generator = torch.Generator().manual_seed(0)
-    mask = (torch.rand(64, 17, generator=generator) < 0.6).long()
-    mask[3] = 0  # no valid token
-    mask[5] = torch.tensor([0] * 10 + [1] * 7)  # left padding
-    mask[6] = 1  # full row
-    scores = torch.randn(64, generator=generator)
-    got = token_level_rewards(scores, mask)
-    want = torch.zeros(64, 17)
-    for row in range(64):
-        valid = [t for t in range(17) if mask[row, t]]
-        if valid:
-            want[row, valid[-1]] = scores[row]
-    assert torch.equal(got, want)
-    assert got[3].abs().sum() == 0 and got[5, 16] == scores[5] and got[6, 16] == scores[6]
-
-
-def test_token_level_rewards_edge_shapes():
-    assert token_level_rewards(torch.ones(3), torch.ones(3, 0)).shape == (3, 0)
-    assert token_level_rewards(torch.ones(0), torch.ones(0, 4)).shape == (0, 4)
-    bool_mask = torch.tensor([[True, True, False]])
-    assert token_level_rewards(torch.tensor([2.0], dtype=torch.float64), bool_mask).tolist() == [[0.0, 2.0, 0.0]]
-    with pytest.raises(ValueError):
-        token_level_rewards(torch.ones(2), torch.ones(3, 4))
-
-
-def test_metrics():
-    result = RewardResult(
-        scores=torch.tensor([1.0, -1.5, -1.0, 0.5]),
-        raw_scores=torch.tensor([1.0, -1.0, -1.0, 1.0]),
-        acc=torch.tensor([True, False, False, True]),
-        preds=[None] * 4,
-        overlong_penalty=torch.tensor([0.0, -0.5, 0.0, -0.5]),
-        failed=torch.tensor([False, False, True, False]),
-        responses=[""] * 4,
-    )
-    assert result.metrics() == {
-        "reward/score_mean": -0.25,
-        "reward/raw_score_mean": 0.0,
-        "reward/acc_mean": 0.5,
-        "reward/failed_fraction": 0.25,
-        "reward/overlong_penalty_mean": -0.25,
-        "reward/overlong_num_penalised": 2.0,
-    }
-    assert set(reward_metrics(result, prefix="val/")) == {k.replace("reward/", "val/") for k in result.metrics()}
-
-
-_SIGTERM_SCRIPT = """
-import multiprocessing.forkserver, os, signal, sys, time
-sys.path.insert(0, {tests!r})
-from reward import _fixtures as fx
-from megatron_dapo.reward.manager import RewardManager
-
-def batch(texts):
-    tok = fx.CharTokenizer()
-    return [tok.encode(t) + [fx.PAD_ID] for t in texts]
-
-def main():
-    signal.signal(signal.SIGTERM, lambda *_: print("trainer got SIGTERM", flush=True))
-    with RewardManager(fx.CharTokenizer(), num_workers=2, chunk_size=1, start_method={method!r}) as manager:
-        first = manager.score(batch(["a", "b"]), ["g", "g"])
-        workers = [w.process.pid for w in manager._pool.workers]
-        server = multiprocessing.forkserver._forkserver._forkserver_pid
-        targets = workers + ([server] if server else [])
-        os.killpg(0, signal.SIGTERM) if {whole_group} else [os.kill(pid, signal.SIGTERM) for pid in targets]
-        time.sleep(1.0)
-        alive = all(w.process.is_alive() for w in manager._pool.workers)
-        second = manager.score(batch(["c", "d", "e"]), ["g"] * 3)
-        print("alive", alive, "same", [w.process.pid for w in manager._pool.workers] == workers,
-              "failed", int(second.failed.sum()), "server", bool(server), flush=True)
-
-
-if __name__ == '__main__':  # the workers import this file again
-    main()
-"""
-
-
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_reward_workers_leave_slurms_sigterm_to_the_trainer(tmp_path, method):
-    """SLURM signals every process of the job: the reward workers (and their forkserver) must keep
-    working until the trainer has checkpointed (it decides when to stop, exit 143)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = str(Path(__file__).resolve().parents[1])
-    script = tmp_path / "sigterm_pool.py"
-    # A fresh interpreter: the forkserver (a per-process singleton) starts with this pool's preload,
-    # in a session of its own so that the whole process group can be signalled like SLURM does.
-    script.write_text(_SIGTERM_SCRIPT.format(tests=tests, method=method, whole_group=True))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, start_new_session=True)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "trainer got SIGTERM" in run.stdout
-    expected = "alive True same True failed 0 server " + ("True" if method == "forkserver" else "False")
-    assert expected in run.stdout, run.stdout + run.stderr

@@ -1,16 +1,18 @@
 """The sbatch path, for real: jobs go through a SLURM cluster started on localhost (see conftest.py).
 
 - a 2-task job through slurm/common.sh: `srun` starts both ranks, resolve_launch_env reads SLURM's
-  variables, init_distributed meets over gloo and an all_reduce sums both ranks' values;
+  variables, init_distributed meets over gloo and an all_reduce sums both ranks' values; the same
+  job checks common.sh's network set-up and vLLM cache directory;
 - SIGTERM sent the way `#SBATCH --signal=TERM@N` sends it reaches every task, not the batch shell;
 - a restarted (requeued) job resumes when, and only when, a checkpoint exists (else starts over);
 - the 7B / 32B scripts, with only their resource lines changed, run up to the launch, where the
   batch shell's config check stops an impossible layout before any rank starts;
-- the demo script runs the doctor on both tasks, then trains 2 steps over 2 gloo processes and
-  writes metrics and a checkpoint;
-- `dapo_doctor` on 2 tasks: one table in the job log with a gloo all-reduce between them, the
-  interface common.sh picks for gloo, and a failed check (a GLOO_SOCKET_IFNAME this node lacks)
-  stopping the job before the next step.
+- the demo script runs `dapo_doctor` on both tasks (one table in the job log, a gloo all-reduce
+  between them), then trains 2 steps over 2 gloo processes and writes metrics and a checkpoint;
+- a failed doctor check (a GLOO_SOCKET_IFNAME this node lacks) stops the job before the next step.
+
+Jobs are the expensive part (each task imports torch): one job serves every test that can read
+what it needs from the same job.
 """
 
 from __future__ import annotations
@@ -82,13 +84,34 @@ def _write_job(path: Path, body: str, directives: tuple[str, ...] = ()) -> Path:
     return path
 
 
-def test_srun_rendezvous_and_all_reduce(slurm_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def rendezvous_job(slurm_cluster, tmp_path_factory):
+    """A 2-task job: the rendezvous worker on both tasks, after common.sh's network set-up (the
+    interface for gloo towards another node, pretended: a documentation address as the second node,
+    reached through the default route) and its vLLM cache directory. As on a cluster, no cache root
+    comes from outside (the test session sets one for its engines). Returns (job, result directory)."""
+    tmp_path = tmp_path_factory.mktemp("rendezvous")
     worker = tmp_path / "worker.py"
     worker.write_text(_RENDEZVOUS_WORKER)
-    script = _write_job(tmp_path / "rendezvous.sbatch", f'dapo_srun python "{worker}" "{tmp_path}"\n')
+    script = _write_job(
+        tmp_path / "rendezvous.sbatch",
+        f"""\
+        (
+            export SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST="localhost,192.0.2.1"
+            unset GLOO_SOCKET_IFNAME
+            dapo_socket_ifname
+            echo "CHOSEN=${{GLOO_SOCKET_IFNAME:-none}}"
+        )
+        echo "CACHE=$VLLM_CACHE_ROOT GLOO=${{GLOO_SOCKET_IFNAME:-unset}}"
+        dapo_srun python "{worker}" "{tmp_path}"
+        """,
+    )
+    job = slurm_cluster.submit(script, cwd=REPO_ROOT, env={"VLLM_CACHE_ROOT": ""}, timeout_s=120).assert_completed()
+    return job, tmp_path
 
-    job = slurm_cluster.submit(script, cwd=REPO_ROOT, timeout_s=120).assert_completed()
 
+def test_srun_rendezvous_and_all_reduce(rendezvous_job):
+    job, tmp_path = rendezvous_job
     expected_port = 15000 + job.job_id % 20000  # common.sh and slurm_master_port use the same formula
     results = {}
     for rank in (0, 1):
@@ -109,6 +132,17 @@ def test_srun_rendezvous_and_all_reduce(slurm_cluster, tmp_path):
         assert r["tp_rank"] == rank and r["tp_sum"] == 3.0
     assert results[0]["pid"] != results[1]["pid"]
     assert "rendezvous localhost:" in job.output()
+
+
+def test_common_sh_picks_the_gloo_interface_and_a_node_local_vllm_cache(rendezvous_job):
+    """The interface for gloo towards another node is the one the doctor's own `interface_for_peers`
+    finds; vLLM's cache is one node-local directory; on one node gloo is left alone."""
+    from megatron_dapo.distributed.socket_interfaces import interface_for_peers
+
+    job, _ = rendezvous_job
+    output = job.output()
+    assert f"CHOSEN={interface_for_peers(['192.0.2.1']) or 'none'}" in output, job.describe()
+    assert "CACHE=/tmp/megatron-dapo-vllm-cache-" in output and "GLOO=unset" in output
 
 
 def test_sigterm_reaches_every_task_not_the_batch_shell(slurm_cluster, tmp_path):
@@ -217,8 +251,10 @@ def test_gpu_scripts_check_the_layout_before_launching(slurm_cluster, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_demo_cpu_sbatch_trains_and_checkpoints(slurm_cluster, tmp_path):
-    """The real demo script, 2 tasks (TP=2 over gloo), 2 short steps."""
+@pytest.fixture(scope="module")
+def demo_job(slurm_cluster, tmp_path_factory):
+    """The real demo script, 2 tasks (TP=2 over gloo), 2 short steps. Returns (job, output directory)."""
+    tmp_path = tmp_path_factory.mktemp("demo_job")
     output_dir = tmp_path / "demo"
     overrides = [
         f"--workspace={tmp_path / 'workspace'}",
@@ -243,6 +279,11 @@ def test_demo_cpu_sbatch_trains_and_checkpoints(slurm_cluster, tmp_path):
     ]
     job = slurm_cluster.submit(SLURM_DIR / "demo_cpu.sbatch", args=overrides, cwd=REPO_ROOT, timeout_s=480)
     job.assert_completed()
+    return job, output_dir
+
+
+def test_demo_cpu_sbatch_trains_and_checkpoints(demo_job):
+    job, output_dir = demo_job
 
     # The doctor ran first, on both tasks, and its table is in the job log.
     output = job.output()
@@ -265,40 +306,18 @@ def _row(output: str, check: str) -> str:
     return next(line for line in output.splitlines() if line.strip().startswith(check))
 
 
-def test_doctor_on_every_task_with_a_gloo_all_reduce(slurm_cluster, tmp_path):
-    """`dapo_doctor` as the GPU scripts run it: srun, one doctor per task, one merged table.
-
-    Also common.sh's network set-up: the interface for gloo towards another node (pretended: a
-    documentation address as the second node, reached through the default route) is the one the
-    doctor's own `interface_for_peers` finds, and vLLM's cache is one node-local directory.
-    """
-    from megatron_dapo.distributed.socket_interfaces import interface_for_peers
-
-    script = _write_job(
-        tmp_path / "doctor.sbatch",
-        f"""\
-        (
-            export SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST="localhost,192.0.2.1"
-            unset GLOO_SOCKET_IFNAME
-            dapo_socket_ifname
-            echo "CHOSEN=${{GLOO_SOCKET_IFNAME:-none}}"
-        )
-        echo "CACHE=$VLLM_CACHE_ROOT GLOO=${{GLOO_SOCKET_IFNAME:-unset}}"
-        dapo_doctor configs/tiny_cpu.yaml --resume parallel.tp=2 "trainer.output_dir={tmp_path / 'out'}"
-        echo "after the doctor"
-        """,
-    )
-    # As on a cluster, no cache root comes from outside (the test session sets one for its engines).
-    job = slurm_cluster.submit(script, cwd=REPO_ROOT, env={"VLLM_CACHE_ROOT": ""}, timeout_s=300).assert_completed()
+def test_doctor_on_every_task_with_a_gloo_all_reduce(demo_job):
+    """`dapo_doctor` as the scripts run it (here the demo's): srun, one doctor per task, one merged
+    table, then the script goes on."""
+    job, _ = demo_job
     output = job.output()
     assert output.count("megatron-dapo doctor: 2 task(s) on 1 node(s)") == 1, job.describe()  # rank 0 prints
     assert "launcher slurm" in output and "config configs/tiny_cpu.yaml" in output
     row = _row(output, "gloo all-reduce")
     assert row.split()[2:4] == ["pass", "all"] and "2 ranks on 1 node(s): 16 MiB in" in row and "GB/s" in row, row
     assert _row(output, "config").split()[1:3] == ["pass", "all"] and "world=2 = tp 2" in output
-    assert "-> exit 0" in output and "after the doctor" in output
-    assert f"CHOSEN={interface_for_peers(['192.0.2.1']) or 'none'}" in output, job.describe()
-    assert "CACHE=/tmp/megatron-dapo-vllm-cache-" in output and "GLOO=unset" in output  # one node: gloo left alone
+    assert "-> exit 0" in output
+    assert output.index("megatron-dapo doctor:") < output.index("== phase 1"), job.describe()
 
 
 def test_a_failed_doctor_stops_the_job(slurm_cluster, tmp_path):
@@ -306,7 +325,7 @@ def test_a_failed_doctor_stops_the_job(slurm_cluster, tmp_path):
         tmp_path / "doctor-fails.sbatch",
         f"""\
         export GLOO_SOCKET_IFNAME=nosuchif0
-        dapo_doctor configs/tiny_cpu.yaml "trainer.output_dir={tmp_path / 'out'}"
+        dapo_doctor configs/tiny_cpu.yaml --resume "trainer.output_dir={tmp_path / 'out'}"  # trainer options pass through
         echo "after the doctor"
         """,
     )

@@ -50,11 +50,11 @@ def workspace_overrides(paths: dict[str, Path], output_dir: Path) -> list[str]:
 
 def cli(*args: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "megatron_dapo.cli.main", *args]
+        return [sys.executable, "-m", "megatron_dapo.cli", *args]
     from megatron_dapo.distributed.setup import find_free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(find_free_port()), "-m", "megatron_dapo.cli.main", *args]  # fmt: skip
+            "--master_port", str(find_free_port()), "-m", "megatron_dapo.cli", *args]  # fmt: skip
 
 
 def run_cli(*args: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -71,9 +71,24 @@ def read_metrics(output_dir: Path) -> dict[int, dict]:
     return by_step
 
 
-NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/")
-
-
 def deterministic(metrics: dict) -> dict:
     """The metrics that must repeat exactly (not wall-clock ones)."""
-    return {k: v for k, v in metrics.items() if not k.startswith(NONDETERMINISTIC)}
+    from megatron_dapo.trainer.metrics import is_wall_clock
+
+    return {k: v for k, v in metrics.items() if not is_wall_clock(k)}
+
+
+def assert_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
+    """`proc` exited with `code`; else the failure shows the ends of its output."""
+    assert proc.returncode == code, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def assert_weights_pushed_every_step(metrics: dict[int, dict], steps: int, gen_batch_size: int = 8) -> None:
+    """Each of `steps` steps pooled whole generation batches and pushed the weights into the engine,
+    and the engine's sampled-token log-probs match the actor's (float32 on both sides): a stale or
+    partial push after step 1 would show up as a large mismatch at step 2."""
+    assert sorted(metrics) == list(range(1, steps + 1))
+    for step in metrics:
+        assert metrics[step]["train/num_groups_generated"] == gen_batch_size * metrics[step]["train/num_gen_batches"]
+        assert metrics[step]["rollout_mismatch/mean_abs"] < 1e-3, metrics[step]
+        assert metrics[step]["weight_sync/seconds"] > 0

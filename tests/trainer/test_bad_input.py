@@ -76,7 +76,7 @@ def test_damaged_model_directory_is_named_before_start_up(demo_workspace, model_
     # Refused in the pre-flight: no process group was created, no model built.
     assert "process(es), backend" not in proc.stdout
     config = _config_command(capsys, str(CONFIG), f"model.hf_dir={model_copy}")  # `config` finds the same
-    _assert_one_clean_error(config, 2, "config error:", expected)
+    _assert_one_clean_error(config, 2, "megatron-dapo: error:", expected)
 
 
 def test_empty_tokenizer_is_named_not_blamed_on_the_prompts(model_copy):
@@ -110,7 +110,7 @@ def test_custom_reward_that_cannot_load_is_found_by_config_and_first_by_train(de
         reward.write_text(text)
     override = f"reward.custom_function.path={reward}:score"
     config = _config_command(capsys, str(CONFIG), override)
-    _assert_one_clean_error(config, 2, "config error:", str(reward), *expected)
+    _assert_one_clean_error(config, 2, "megatron-dapo: error:", str(reward), *expected)
     proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, tmp_path / "run"), override)
     _assert_one_clean_error(proc, 2, "megatron-dapo: error:", str(reward), *expected)
     assert "process(es), backend" not in proc.stdout  # before the model loads
@@ -122,7 +122,7 @@ def test_reward_that_raises_on_every_sample_is_named_as_why_sampling_found_nothi
     proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, tmp_path / "run"),
                    f"reward.custom_function.path={reward}:score", "algorithm.filter_groups.max_num_gen_batches=1")  # fmt: skip
     _assert_one_clean_error(
-        proc, 1, "megatron-dapo: stopped:", "The cause is the reward function, not the data",
+        proc, 1, "megatron-dapo: error:", "The cause is the reward function, not the data",
         "the reward function failed on 32 of 32 samples (first error: KeyError: 'answer')",
     )  # fmt: skip
     assert "too easy or too hard" not in proc.stderr
@@ -158,9 +158,9 @@ def test_full_disk_during_training_is_one_message(demo_workspace, tmp_path):
     out = tmp_path / "run"
     args = ["train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, out), "trainer.total_steps=2"]
     proc = subprocess.run([sys.executable, "-c", _NO_SPACE_AT_METRICS, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-    _assert_one_clean_error(proc, 1, f"megatron-dapo: stopped: no space left on the disk of trainer.output_dir={out}",
+    _assert_one_clean_error(proc, 1, f"megatron-dapo: error: no space left on the disk of trainer.output_dir={out}",
                             "then continue with --resume")  # fmt: skip
-    assert proc.stderr.count("megatron-dapo: stopped") == 1
+    assert proc.stderr.count("megatron-dapo: error") == 1
 
 
 def test_full_disk_during_the_warm_start_is_one_message(demo_workspace, tmp_path):
@@ -168,15 +168,15 @@ def test_full_disk_during_the_warm_start_is_one_message(demo_workspace, tmp_path
     args = ["sft", "--config", str(CONFIG), f"model.hf_dir={demo_workspace['model']}", f"sft.train_files=[{demo_workspace['sft']}]",
             "sft.total_steps=2", f"sft.output_dir={out}", "trainer.loggers=[console,jsonl]"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", _NO_SPACE_AT_METRICS, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-    _assert_one_clean_error(proc, 1, f"megatron-dapo: stopped: no space left on the disk of sft.output_dir={out}",
+    _assert_one_clean_error(proc, 1, f"megatron-dapo: error: no space left on the disk of sft.output_dir={out}",
                             "then run the warm start again")  # fmt: skip
 
 
 def test_config_command_world_size_and_skipped_checks(capsys):
     proc = run_cli("config", str(CONFIG), "--world-size", "0")  # once as a user runs it
-    _assert_one_clean_error(proc, 2, "config error: world size 0: a run needs at least one process")
+    _assert_one_clean_error(proc, 2, "megatron-dapo: error: world size 0: a run needs at least one process")
     proc = _config_command(capsys, str(CONFIG), "--world-size", "-2")
-    _assert_one_clean_error(proc, 2, "config error: world size -2: a run needs at least one process")
+    _assert_one_clean_error(proc, 2, "megatron-dapo: error: world size -2: a run needs at least one process")
     proc = _config_command(capsys, str(CONFIG), "parallel.tp=3", "--world-size", "3")
     assert proc.returncode == 0, proc.stderr
     assert "note: 'model.hf_dir' is empty, so the model-shape checks" in proc.stderr
@@ -190,7 +190,7 @@ def test_disk_full_is_recognised_through_the_chain_of_what_it_broke(tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_dapo.trainer.startup import DiskFullError, disk_full_error, stop_on_full_disk
+    from megatron_dapo.checkpoint.disk_full import DiskFullError, disk_full_error, stop_on_full_disk
 
     def chained(first: BaseException, then: BaseException) -> BaseException:
         try:

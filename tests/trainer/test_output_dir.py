@@ -7,7 +7,7 @@
 * --overwrite removes the old run's checkpoints, metrics and TensorBoard events first, so the new
   run's step_1 is kept by keep_last and nothing of the old run remains;
 * the periodic checkpoints are dp_reshardable, the one after the last step fully_reshardable.
-The directory rules themselves (`runtime.check_output_dir`) are checked without a run.
+The directory rules themselves (`trainer.output_dir.check_output_dir`) are checked without a run.
 """
 
 from __future__ import annotations
@@ -20,12 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.trainer.startup import OutputDirectoryError, check_output_dir, clear_previous_run
-from tests.trainer.conftest import CONFIG, FAST, deterministic, read_metrics, run_cli, workspace_overrides
-
-
-def _assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+from megatron_dapo.trainer.output_dir import OutputDirectoryError, check_output_dir, clear_previous_run
+from tests.trainer.conftest import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
 
 
 # ------------------------------------------------------------------ the rules, without a run
@@ -76,7 +72,7 @@ def _train(workspace: dict, out: Path, *extra: str) -> subprocess.CompletedProce
 def previous_run(demo_workspace, tmp_path_factory) -> Path:
     """Three steps with a checkpoint after each (keep_last=3) and TensorBoard events."""
     out = tmp_path_factory.mktemp("previous") / "run"
-    _assert_ok(_train(demo_workspace, out, "trainer.total_steps=3", "trainer.save_every=1", "trainer.keep_last=3",
+    assert_ok(_train(demo_workspace, out, "trainer.total_steps=3", "trainer.save_every=1", "trainer.keep_last=3",
                       "trainer.loggers=[console,jsonl,tensorboard]"))  # fmt: skip
     return out
 
@@ -113,7 +109,7 @@ def test_resume_skips_a_corrupt_checkpoint_and_equals_the_uninterrupted_run(demo
         handle.seek(victim.stat().st_size // 2)
         handle.write(random.Random(0).randbytes(4096))
     proc = _train(demo_workspace, run, "trainer.total_steps=3", "trainer.save_every=1", "trainer.keep_last=3", "--resume")
-    _assert_ok(proc)
+    assert_ok(proc)
     assert "Traceback" not in proc.stderr
     assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout, proc.stdout[-3000:]
     assert f"skipped {run / 'checkpoints' / 'step_00000003'}: dist/{victim.name} is corrupt" in proc.stdout, proc.stdout[-3000:]
@@ -130,7 +126,7 @@ def test_overwrite_replaces_the_previous_run(demo_workspace, previous_run, tmp_p
     assert list((run / "tensorboard").iterdir())
     (run / "notes.txt").write_text("mine")
     proc = _train(demo_workspace, run, "trainer.total_steps=1", "trainer.save_every=1", "trainer.keep_last=1", "--overwrite")
-    _assert_ok(proc)
+    assert_ok(proc)
     assert "--overwrite: removed checkpoints, tensorboard, metrics.jsonl" in proc.stdout, proc.stdout[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000001"]
     assert sorted(read_metrics(run)) == [1]
@@ -149,6 +145,6 @@ def test_resume_at_another_layout_from_a_dp_reshardable_checkpoint_is_a_named_er
     proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, run),
                    "trainer.total_steps=3", "parallel.tp=2", "--resume", nproc=2)  # fmt: skip
     assert proc.returncode != 0
-    assert "megatron-dapo: error:" in proc.stderr and "dp_reshardable" in proc.stderr, proc.stderr[-3000:]
+    assert "megatron-dapo: error (rank " in proc.stderr and "dp_reshardable" in proc.stderr, proc.stderr[-3000:]
     assert "tp 1 -> 2" in proc.stderr and "fully reshardable" in proc.stderr
     assert "CheckpointLayoutError" not in proc.stderr  # reported, not raised through

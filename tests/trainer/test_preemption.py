@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, assert_ok, cli, deterministic, read_metrics, workspace_overrides
 
 REWARD = Path(__file__).with_name("preempt_reward.py")
 GEN_BATCH, N = 8, 2
@@ -45,10 +45,6 @@ def _train(output: Path, workspace, *extra: str, env: dict) -> subprocess.Comple
     args = ["train", "--config", str(CONFIG), *SETTINGS, *workspace_overrides(workspace, output), *extra]
     return subprocess.run(cli(*args), cwd=CONFIG.parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-
-
-def _ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
-    assert proc.returncode == code, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
 def _dist_state(checkpoint: Path) -> dict:
@@ -78,7 +74,7 @@ def _differences(a, b, path: str = "") -> list[str]:
 def test_sigterm_during_generation_redoes_the_step_on_resume(demo_workspace, tmp_path):
     straight = tmp_path / "straight"
     straight_calls = tmp_path / "straight_calls"
-    _ok(_train(straight, demo_workspace, env={"MDAPO_TEST_REWARD_CALLS": str(straight_calls)}))
+    assert_ok(_train(straight, demo_workspace, env={"MDAPO_TEST_REWARD_CALLS": str(straight_calls)}))
     reference = read_metrics(straight)
     assert sorted(reference) == [1, 2, 3]
     batches = {step: int(reference[step]["train/num_gen_batches"]) for step in reference}
@@ -93,14 +89,14 @@ def test_sigterm_during_generation_redoes_the_step_on_resume(demo_workspace, tmp
     calls = tmp_path / "calls"
     env = {"MDAPO_TEST_REWARD_CALLS": str(calls), "MDAPO_TEST_SIGTERM_AT_CALL": str(sigterm_at)}
     proc = _train(stopped, demo_workspace, env=env)
-    _ok(proc, 143)
+    assert_ok(proc, 143)
     # It left after the batch during which SIGTERM came: the rest of that batch was scored, nothing more.
     assert calls.stat().st_size == before + CALLS_PER_BATCH, (calls.stat().st_size, before, batches)
     assert f"during step {step}, before its update: checkpoint of step {step - 1} written" in proc.stdout, proc.stdout[-3000:]
     assert (stopped / "checkpoints" / "latest").read_text().strip() == f"step_{step - 1:08d}"
     assert sorted(read_metrics(stopped)) == list(range(1, step))  # the interrupted step was not logged
 
-    _ok(_train(stopped, demo_workspace, "--resume", env={"MDAPO_TEST_REWARD_CALLS": str(calls)}))
+    assert_ok(_train(stopped, demo_workspace, "--resume", env={"MDAPO_TEST_REWARD_CALLS": str(calls)}))
     resumed = read_metrics(stopped)
     assert sorted(resumed) == [1, 2, 3]
     for s in (1, 2, 3):
@@ -114,7 +110,7 @@ def test_sigterm_during_generation_redoes_the_step_on_resume(demo_workspace, tmp
 def test_sigterm_during_start_up_exits_143_with_one_line(demo_workspace, tmp_path):
     out = tmp_path / "run"
     proc = _train(out, demo_workspace, env={"MDAPO_TEST_SIGTERM_ON_LOAD": "1"})
-    _ok(proc, 143)
+    assert_ok(proc, 143)
     text = proc.stdout + proc.stderr
     assert "Traceback" not in text, text[-4000:]
     lines = [line for line in text.splitlines() if "SIGTERM" in line]

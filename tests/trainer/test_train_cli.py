@@ -1,5 +1,10 @@
 """`megatron-dapo train` end to end on the tiny demo model (real Megatron actor, embedded engine, reward pool).
 
+The one-process runs start together, two at a time (`one_process_runs`): a run is mostly start-up
+(imports) on one core, so a second one uses the other. One uninterrupted five-step run is the
+reference of the resume and (its step 1) of the two-process layouts; one one-step run serves the
+validation and the overlong-filter checks.
+
 * resume: a run stopped by SIGTERM after step 3 writes a checkpoint and exits 143; `--resume`
   continues it, and steps 4-5 equal those of an uninterrupted run (every logged value that is not a
   wall-clock time);
@@ -16,13 +21,21 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, run_cli, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, workspace_overrides
 
 TOTAL = ["trainer.total_steps=5"]
+BAD_INPUT = {  # case: (overrides, the key the error must name)
+    "hf_dir": (["model.hf_dir=/nonexistent/model"], "model.hf_dir"),
+    "n": (["rollout.n=0"], "rollout.n"),
+    "prompt_length": (["rollout.max_prompt_length=8"], "rollout.max_prompt_length"),  # every prompt is longer: empty dataset
+    "gen_batch_size": (["trainer.gen_batch_size=3"], "trainer.gen_batch_size"),
+    "tp": (["parallel.tp=3"], "parallel.tp"),
+}
 
 
 def _assert_ok(proc: subprocess.CompletedProcess) -> None:
@@ -44,36 +57,91 @@ def _same(a: dict, b: dict, rel: float = 0.0) -> list[str]:
     return problems
 
 
-def test_sigterm_checkpoint_then_resume_equals_uninterrupted(demo_workspace, tmp_path):
-    straight = tmp_path / "straight"
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *TOTAL, *workspace_overrides(demo_workspace, straight)))
-    reference = read_metrics(straight)
-    assert sorted(reference) == [1, 2, 3, 4, 5]
-    assert (straight / "plot.png").stat().st_size > 10_000
-    # Dynamic sampling ran for real and the update moved the policy.
-    assert all(reference[s]["train/num_gen_batches"] >= 1 for s in reference)
-    assert all(reference[s]["actor/grad_norm"] > 0 for s in reference)
+def _one_process(*args: str) -> list[str]:
+    return cli("train", "--config", str(CONFIG), *FAST, *args)
 
-    # The same run, stopped by SIGTERM (SLURM preemption) once step 3 is logged; no periodic checkpoints.
-    stopped = tmp_path / "stopped"
-    args = ["train", "--config", str(CONFIG), *FAST, *TOTAL, *workspace_overrides(demo_workspace, stopped)]
-    proc = subprocess.Popen(cli(*args), cwd=Path(CONFIG).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    metrics_file = stopped / "metrics.jsonl"
-    deadline = time.monotonic() + 300
+
+def _env() -> dict[str, str]:
+    # One OpenMP thread per process: two runs share the two cores (spinning OpenMP threads of one
+    # would wait on the other), and the runs whose values are compared use the same thread count.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _run_stopped_after_step_3(command: list[str], output_dir: Path) -> subprocess.CompletedProcess:
+    """The run, sent SIGTERM (SLURM preemption) once its metrics hold step 3; stdout and stderr together."""
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics_file = output_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics_file.exists() and any(json.loads(l)["step"] == 3 for l in metrics_file.read_text().splitlines() if l.strip()):
             proc.send_signal(signal.SIGTERM)
             break
         time.sleep(0.2)
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 143, output[-4000:]
+    output, _ = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Every one-process run of the module, two at a time, longest first: name -> (output dir, process)."""
+    root = tmp_path_factory.mktemp("one_process")
+    bad_data = root / "bad.jsonl"
+    bad_data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "x"}) + "\n")
+
+    def out(name: str) -> list[str]:
+        return workspace_overrides(demo_workspace, root / name)
+
+    runs = {
+        "straight": lambda: _run(_one_process(*TOTAL, *out("straight"))),
+        # The same run, stopped; no periodic checkpoints (FAST: trainer.save_every=0).
+        "stopped": lambda: _run_stopped_after_step_3(_one_process(*TOTAL, *out("stopped")), root / "stopped"),
+        # The config given positionally (`train CONFIG`).
+        "validated_filtered": lambda: _run(cli("train", str(CONFIG), *FAST, "trainer.total_steps=1", "trainer.val_before_train=true",
+                                               "trainer.eval_every=1", "rollout.val_n=4", "algorithm.overlong_filter=true",
+                                               "algorithm.filter_groups.metric=score", *out("validated_filtered"))),  # fmt: skip
+        # FAST but the default reward, which the untrained model never earns.
+        "dry": lambda: _run(cli("train", "--config", str(CONFIG), *FAST[:-1], "algorithm.filter_groups.max_num_gen_batches=2", *out("dry"))),
+        "no_ground_truth": lambda: _run(_one_process(*out("no_ground_truth"), f"data.train_files=[{bad_data}]")),
+        **{case: (lambda overrides=overrides, case=case: _run(_one_process(*out(case), *overrides))) for case, (overrides, _) in BAD_INPUT.items()},
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {name: pool.submit(run) for name, run in runs.items()}
+    return {name: (root / name, job.result()) for name, job in started.items()}
+
+
+@pytest.fixture(scope="module")
+def straight_run(one_process_runs) -> Path:
+    """Five uninterrupted steps in one process (its output directory). Step 1 does not depend on
+    trainer.total_steps (constant learning rate after the warm-up, same prompt sampler), so it is
+    also the one-process reference of the two-process layouts, which run one step."""
+    out, proc = one_process_runs["straight"]
+    _assert_ok(proc)
+    return out
+
+
+def test_an_uninterrupted_run_logs_every_step_and_plots(straight_run):
+    reference = read_metrics(straight_run)
+    assert sorted(reference) == [1, 2, 3, 4, 5]
+    assert (straight_run / "plot.png").stat().st_size > 10_000
+    # Dynamic sampling ran for real and the update moved the policy.
+    assert all(reference[s]["train/num_gen_batches"] >= 1 for s in reference)
+    assert all(reference[s]["actor/grad_norm"] > 0 for s in reference)
+
+
+def test_sigterm_checkpoint_then_resume_equals_uninterrupted(one_process_runs, straight_run):
+    reference = read_metrics(straight_run)
+    stopped, proc = one_process_runs["stopped"]
+    assert proc.returncode == 143, proc.stdout[-4000:]
     latest = (stopped / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[-1])
     assert stopped_at in (3, 4), latest  # the signal lands during step 3's logging or step 4
-    assert "continue with --resume" in output
+    assert "continue with --resume" in proc.stdout
 
-    _assert_ok(run_cli(*args, "--resume"))
+    _assert_ok(_run([*proc.args, "--resume"]))
     resumed = read_metrics(stopped)
     assert sorted(resumed) == [1, 2, 3, 4, 5]  # each step logged once
     for step in (4, 5):
@@ -81,20 +149,12 @@ def test_sigterm_checkpoint_then_resume_equals_uninterrupted(demo_workspace, tmp
         assert not problems, f"step {step} differs after resume:\n" + "\n".join(problems[:20])
 
 
-@pytest.fixture(scope="module")
-def one_process_step(demo_workspace, tmp_path_factory) -> dict:
-    """Step 1 of the tiny run in one process: the reference of the two-process layouts."""
-    one = tmp_path_factory.mktemp("one_process")
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=1", *workspace_overrides(demo_workspace, one)))
-    return read_metrics(one)[1]
-
-
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
-def test_two_process_layouts_match_one_process(demo_workspace, one_process_step, tmp_path, layout):
+def test_two_process_layouts_match_one_process(demo_workspace, straight_run, tmp_path, layout):
     two = tmp_path / "two"
     steps = ["trainer.total_steps=1"]
     _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *steps, layout, *workspace_overrides(demo_workspace, two), nproc=2))
-    a, b = deterministic(one_process_step), deterministic(read_metrics(two)[1])
+    a, b = deterministic(read_metrics(straight_run)[1]), deterministic(read_metrics(two)[1])
     exact = {k for k in a if k.startswith(("critic/", "response_length/", "prompt_length/", "train/"))}
     assert not _same({k: a[k] for k in exact}, {k: b[k] for k in exact}), "the rollout differs"
     if layout == "parallel.cp=2":  # rows are padded to a multiple of 2*CP, and the budget is per rank
@@ -102,10 +162,17 @@ def test_two_process_layouts_match_one_process(demo_workspace, one_process_step,
     assert not _same(a, b, rel=1e-4), _same(a, b, rel=1e-4)
 
 
-def test_validation_metrics_and_resolved_config(demo_workspace, tmp_path):
-    out = tmp_path / "val"
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=1", "trainer.val_before_train=true",
-                       "trainer.eval_every=1", "rollout.val_n=4", *workspace_overrides(demo_workspace, out)))  # fmt: skip
+@pytest.fixture(scope="module")
+def validated_filtered_run(one_process_runs) -> Path:
+    """One step with validation before and after it, and `algorithm.overlong_filter=true` with groups
+    filtered on the score: the filter changes what the update counts, not what validation measures."""
+    out, proc = one_process_runs["validated_filtered"]
+    _assert_ok(proc)
+    return out
+
+
+def test_validation_metrics_and_resolved_config(validated_filtered_run):
+    out = validated_filtered_run
     metrics = read_metrics(out)
     for step in (0, 1):
         val = metrics[step]
@@ -117,39 +184,49 @@ def test_validation_metrics_and_resolved_config(demo_workspace, tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
 
 
-@pytest.mark.parametrize(
-    "overrides, expected",
-    [
-        (["model.hf_dir=/nonexistent/model"], "model.hf_dir"),
-        (["rollout.n=0"], "rollout.n"),
-        (["rollout.max_prompt_length=8"], "rollout.max_prompt_length"),  # every prompt is longer: empty dataset
-        (["trainer.gen_batch_size=3"], "trainer.gen_batch_size"),
-        (["parallel.tp=3"], "parallel.tp"),
-    ],
-)
-def test_bad_input_fails_with_the_key(demo_workspace, tmp_path, overrides, expected):
-    proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, tmp_path / "x"), *overrides)
+def test_overlong_filter_and_score_metrics(validated_filtered_run):
+    """`algorithm.overlong_filter=true`: truncated responses (all exactly max_response_length tokens
+    long) leave the loss, so the update counts the train batch's tokens minus theirs. The task score
+    and the reward (score + overlong penalty) are logged apart; groups are filtered on the score."""
+    max_len, samples = 16, 4 * 4  # FAST: rollout.max_response_length=16, train_batch_size=4 x n=4
+    m = read_metrics(validated_filtered_run)[1]
+    clipped = round(m["response_length/clip_ratio"] * samples)
+    assert clipped > 0, "the test needs truncated responses"
+    expected_tokens = m["response_length/mean"] * samples - clipped * max_len
+    assert m["actor/tokens"] == pytest.approx(expected_tokens, abs=1e-6)
+    # Truncated responses are in the overlong buffer: the reward is below the task score.
+    assert m["critic/rewards/mean"] < m["critic/score/mean"]
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_fails_with_the_key(one_process_runs, case):
+    _, proc = one_process_runs[case]
     assert proc.returncode != 0
-    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert BAD_INPUT[case][1] in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 
-def test_dataset_without_ground_truth_is_refused(demo_workspace, tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "x"}) + "\n")
-    proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, tmp_path / "x"), f"data.train_files=[{bad}]")
+def test_dataset_without_ground_truth_is_refused(one_process_runs):
+    _, proc = one_process_runs["no_ground_truth"]
     assert proc.returncode == 2
     assert "ground_truth" in proc.stderr and "bad.jsonl" in proc.stderr
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "dp2_two_spmd_engines"])
-def test_vllm_engine_trains_with_weight_sync_every_step(demo_workspace, tmp_path, require_vllm, nproc):
-    """The demo with `rollout.engine=vllm` (vLLM's CPU build, spmd placement): two steps, weights pushed
-    after each. With two processes (DP=2, rollout.tp=1) there are two SPMD engines, each generating
-    half of the prompts; the pooled batch holds every prompt group."""
+def test_dynamic_sampling_that_runs_dry_says_what_to_change(one_process_runs):
+    """The untrained model answers nothing right: every group is all-wrong and the step cannot fill."""
+    _, proc = one_process_runs["dry"]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "max_num_gen_batches" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_two_spmd_vllm_engines_train_with_weight_sync_every_step(demo_workspace, tmp_path, require_vllm):
+    """The demo with `rollout.engine=vllm` (vLLM's CPU build, spmd placement) over two processes
+    (DP=2, rollout.tp=1): two SPMD engines, each generating half of the prompts; the pooled batch
+    holds every prompt group; weights pushed after each of the two steps. (One process with one
+    engine: test_vllm_resume.py, on its uninterrupted run.)"""
     out = tmp_path / "vllm"
     _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm",
-                       *workspace_overrides(demo_workspace, out), nproc=nproc))  # fmt: skip
+                       *workspace_overrides(demo_workspace, out), nproc=2))  # fmt: skip
     metrics = read_metrics(out)
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
@@ -182,14 +259,6 @@ def test_spmd_vllm_tp2_steps_equal_the_leader_placement(demo_workspace, tmp_path
         assert spmd["rollout_mismatch/mean_abs"] < 1e-3
 
 
-def test_dynamic_sampling_that_runs_dry_says_what_to_change(demo_workspace, tmp_path):
-    """The untrained model answers nothing right: every group is all-wrong and the step cannot fill."""
-    proc = run_cli("train", "--config", str(CONFIG), *FAST[:-1], "algorithm.filter_groups.max_num_gen_batches=2",
-                   *workspace_overrides(demo_workspace, tmp_path / "dry"))  # fmt: skip
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "max_num_gen_batches" in proc.stderr and "Traceback" not in proc.stderr
-
-
 def test_two_data_parallel_replicas_each_generate_their_share(demo_workspace, tmp_path):
     """DP=2: two engines (one per replica), gathered generation batches, one decision, one update."""
     out = tmp_path / "dp2"
@@ -203,20 +272,3 @@ def test_two_data_parallel_replicas_each_generate_their_share(demo_workspace, tm
         # Both replicas' generations were pooled: gen_batch_size prompts per generation batch.
         assert m["train/num_groups_generated"] == 8 * m["train/num_gen_batches"]
         assert m["actor/grad_norm"] > 0 and m["rollout_mismatch/mean_abs"] < 1e-3
-
-
-def test_overlong_filter_and_score_metrics(demo_workspace, tmp_path):
-    """`algorithm.overlong_filter=true`: truncated responses (all exactly max_response_length tokens
-    long) leave the loss, so the update counts the train batch's tokens minus theirs. The task score
-    and the reward (score + overlong penalty) are logged apart; groups are filtered on the score."""
-    out = tmp_path / "filter"
-    max_len, samples = 16, 4 * 4  # FAST: rollout.max_response_length=16, train_batch_size=4 x n=4
-    _assert_ok(run_cli("train", str(CONFIG), *FAST, "trainer.total_steps=1", "algorithm.overlong_filter=true",  # positional config
-                       "algorithm.filter_groups.metric=score", *workspace_overrides(demo_workspace, out)))  # fmt: skip
-    m = read_metrics(out)[1]
-    clipped = round(m["response_length/clip_ratio"] * samples)
-    assert clipped > 0, "the test needs truncated responses"
-    expected_tokens = m["response_length/mean"] * samples - clipped * max_len
-    assert m["actor/tokens"] == pytest.approx(expected_tokens, abs=1e-6)
-    # Truncated responses are in the overlong buffer: the reward is below the task score.
-    assert m["critic/rewards/mean"] < m["critic/score/mean"]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 
@@ -204,8 +205,6 @@ class EmbeddedEngine(RolloutEngine):
         if isinstance(hf_dir_or_model, torch.nn.Module):
             model = hf_dir_or_model
         else:
-            from transformers import AutoModelForCausalLM
-
             model = AutoModelForCausalLM.from_pretrained(str(hf_dir_or_model), dtype=dtype)
             if tokenizer is None:
                 tokenizer = _load_tokenizer_if_present(Path(hf_dir_or_model))
@@ -449,27 +448,32 @@ class EmbeddedEngine(RolloutEngine):
     # ---------------------------------------------------------------------------------- memory
 
     def sleep(self, level: int = 1) -> None:
-        """On CUDA, move the weights to CPU and release cached GPU memory (both levels); no-op on CPU.
+        """Move the weights to host memory where they live on an accelerator (`sleep_moves_weights`)
+        and release its cached memory; on every device the engine is asleep until the weights wake.
 
         The KV cache lives only inside a `generate` call, so there is nothing else to free; level 2
-        keeps the weights too (in host memory), which a full push then overwrites.
+        keeps the weights too (in host memory), which a full push then overwrites. Being asleep on
+        the CPU as well (nothing moves there) makes a generate before `wake_up` fail on any machine,
+        as with vLLM and SGLang, so a wrong order in the trainer shows in CPU tests.
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2 (rollout.sleep_level), got {level}")
-        if self.model is None or self._asleep or self.device.type != "cuda":
+        if self.model is None or self._asleep:
             return
-        self.model.to("cpu")
-        torch.cuda.empty_cache()
+        if sleep_moves_weights(self.device):
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
         self._asleep = True
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Move the weights back to the GPU after `sleep` when `tags` includes "weights" (or is None).
+        """Bring the weights back (to the accelerator they left) when `tags` includes "weights" (or is None).
 
         Weights loaded while asleep are kept; "kv_cache" alone has nothing to restore.
         """
         if "weights" not in check_memory_tags(tags) or self.model is None or not self._asleep:
             return
-        self.model.to(self.device)
+        if sleep_moves_weights(self.device):
+            self.model.to(self.device)
         self._asleep = False
 
     def shutdown(self) -> None:
@@ -480,10 +484,14 @@ class EmbeddedEngine(RolloutEngine):
             torch.cuda.empty_cache()
 
 
+def sleep_moves_weights(device: torch.device) -> bool:
+    """Whether `sleep` moves the weights off `device`: only CUDA memory is worth freeing for the
+    actor (on the CPU the weights already are in host memory)."""
+    return torch.device(device).type == "cuda"
+
+
 def _new_cache(model: torch.nn.Module):
     """An empty dynamic KV cache laid out for `model` (sliding-window layers included)."""
-    from transformers import DynamicCache
-
     return DynamicCache(config=model.config)
 
 
@@ -491,6 +499,5 @@ def _load_tokenizer_if_present(hf_dir: Path):
     """The directory's tokenizer, or None when it has no tokenizer files."""
     if not any((hf_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(hf_dir))

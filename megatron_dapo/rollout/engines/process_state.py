@@ -10,6 +10,9 @@ becomes the engine's TP size, `LD_PRELOAD` gains tcmalloc / libgomp for later ch
 setter, allocate only on the engine's node, train with a reseeded generator, and spawn reward
 workers with another preload. `preserved_process_state` puts all of it back once the engine is
 built (the engine keeps working: it read what it needed while starting).
+
+`temporary_environment` is the one helper for "these variables while an engine starts, then as
+before" (SGLang's processes read theirs at start).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import platform
 import random
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 
@@ -70,12 +73,27 @@ def set_memory_policy(policy: MemoryPolicy) -> bool:
     return libc.syscall(set_number, ctypes.c_int(policy.mode), mask, ctypes.c_ulong(_NODEMASK_WORDS * 64 + 1)) == 0
 
 
-def _restore_environment(saved: dict[str, str]) -> None:
-    for key in [key for key in os.environ if key not in saved]:
-        del os.environ[key]
-    for key, value in saved.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
+def _set_environment(values: Mapping[str, Optional[str]]) -> None:
+    """Set each variable of `values` in os.environ; None unsets it. Unchanged values are not rewritten."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        elif os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def temporary_environment(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """`values` in os.environ (None: unset) while the body runs, then each of them as it was.
+
+    For engines whose processes, started in the body, read their settings from the environment.
+    """
+    saved = {name: os.environ.get(name) for name in values}
+    _set_environment(values)
+    try:
+        yield
+    finally:
+        _set_environment(saved)
 
 
 @contextlib.contextmanager
@@ -100,7 +118,7 @@ def preserved_process_state() -> Iterator[None]:
         torch.set_num_interop_threads = interop_setter
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        _restore_environment(environment)
+        _set_environment({**dict.fromkeys(os.environ), **environment})  # what the body added goes
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -23,7 +23,27 @@ import torch
 
 from megatron_dapo.model.safetensors_format import safetensors_header
 
-__all__ = ["bucket_device", "bucket_stream", "iter_buckets", "reserve_file_space", "tensor_item_nbytes", "write_safetensors"]
+__all__ = [
+    "DEFAULT_BUCKET_MB",
+    "bucket_device",
+    "bucket_limit_bytes",
+    "bucket_stream",
+    "iter_buckets",
+    "reserve_file_space",
+    "tensor_item_nbytes",
+    "write_safetensors",
+]
+
+DEFAULT_BUCKET_MB = 512
+"""Bucket size of a weight stream when none is given (`rollout.weight_sync_bucket_mb`'s default)."""
+MIB = 1 << 20
+
+
+def bucket_limit_bytes(bucket_mb: float) -> int:
+    """`rollout.weight_sync_bucket_mb` in bytes (at least 1); refuses a size that is not positive."""
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb} (rollout.weight_sync_bucket_mb)")
+    return max(1, int(bucket_mb * MIB))
 
 
 def tensor_item_nbytes(item: Any) -> int:

@@ -1,25 +1,19 @@
-"""`megatron-dapo check-sync`: does the actor -> rollout engine weight sync work here, exactly?
+"""The weight-sync check behind `megatron-dapo check-sync`: does the actor -> rollout engine weight
+sync work here, exactly? (The command, its options and the launch of the processes: cli/check_sync.py.)
 
-    megatron-dapo check-sync --hf-dir Qwen2.5-7B --engine vllm --tp 4 --pp 2 --dtype bfloat16 --tolerance 0.5
-    python tools/check_sync.py --hf-dir tiny --engine embedded --tp 2
-
-The first thing to run after changing the engine, vLLM / torch / Megatron versions or the parallel
-layout. It loads the HF checkpoint into the Megatron actor (TP x PP) and into a rollout engine on
-rank 0, changes every actor weight (`--update perturb`, the default: all weights scaled by
-1 + 2^-6, so a tensor the sync misses keeps its old value and shows up) or runs one real optimizer
-step (`--update step`), syncs the weights with `rollout.weight_sync.sync_weights` (the trainer's
-code path, `RolloutGroup.sync_weights`, in the mode `--sync-mode` picks; `--placement spmd`: every
-rank holds its shard of a TP = --tp vLLM engine, the trainer's default for vLLM), then checks:
+It loads the HF checkpoint into the Megatron actor (TP x PP) and into a rollout engine on rank 0,
+changes every actor weight (`update="perturb"`: all weights scaled by 1 + 2^-6, so a tensor the
+sync misses keeps its old value and shows up; or `"step"`: one real optimizer step), syncs the
+weights with the trainer's code path (`RolloutGroup.sync_weights`, in the mode `sync_mode` picks;
+`placement="spmd"`: every rank holds its shard of a TP = tp vLLM engine, the trainer's default for
+vLLM), then checks:
 
 1. per tensor: the engine's weight equals the actor's HF export bit for bit (in the engine dtype);
 2. the engine's log-probs of responses it samples against the actor's forward-only log-probs of
    the same tokens: mean and max |diff| and the k3 KL estimate (the training / inference mismatch).
 
-Exit code 0 when every tensor is equal and max |diff| <= --tolerance, 1 otherwise (2: it crashed).
-
-Processes: run as a plain command it starts the TP x PP processes itself (re-executing under
-`torch.distributed.run`, gloo on CPU / NCCL on GPUs); under torchrun or srun it uses the ranks it
-is given (the world size must be a multiple of TP x PP; extra ranks are data-parallel replicas).
+It passes when every tensor is equal and max |diff| <= the tolerance. Runs on every rank of a
+world of a multiple of TP x PP processes (extra ranks are data-parallel replicas).
 """
 
 from __future__ import annotations
@@ -27,152 +21,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-RESULT_FILE_ENV = "MEGATRON_DAPO_CHECK_SYNC_RESULT"
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.actor import ForwardSettings, PolicyBatch, ReferenceModel, build_actor, split_mini_batches
+from megatron_dapo.algorithm.mismatch import log_prob_mismatch
+from megatron_dapo.config import Config
+from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+from megatron_dapo.errors import InputError
+from megatron_dapo.model.builder import build_gpt_models
+from megatron_dapo.model.hf_config import read_hf_config
+from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
+from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
+from megatron_dapo.rollout.group import RolloutGroup
+from megatron_dapo.rollout.placement import SpmdSlot
+
+__all__ = ["PERTURB_FACTOR", "CheckSyncError", "run_check"]
+
 PERTURB_FACTOR = 1.0 + 2.0**-6  # changes every nonzero float32 / bfloat16 / float16 value
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
-
-DESCRIPTION = """\
-Check that the actor -> rollout engine weight sync is exact.
-
-Loads the HF model into the Megatron actor (--tp x --pp processes) and into a rollout engine on
-rank 0, changes every actor weight (--update perturb: all scaled by 1 + 2^-6; --update step: one
-optimizer step), syncs with the trainer's code path (--sync-mode: gather, or shared_memory where
-each TP rank writes only its own slices; auto picks like the trainer), and reports
-  * per tensor: engine weight == actor's HF export, bit for bit (in the engine dtype);
-  * the log-prob mismatch of responses the engine samples: mean / max |engine - actor| and the
-    k3 KL estimate, over all response tokens.
-Exit code 0 if every tensor is equal and max |diff| <= --tolerance, 1 if not, 2 on an error.
-
-Run it as a plain command: it starts tp x pp processes itself (torch.distributed.run; gloo on
-CPU). Under torchrun / srun it uses the ranks it is given (world = multiple of tp x pp).
-With --dtype bfloat16 expect max |diff| of 0.1-1 nats from kernel differences alone: raise
---tolerance accordingly; float32 (the default) should give ~1e-5 or less.
-"""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = DESCRIPTION
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--hf-dir", required=True, help="HuggingFace model directory (config.json + safetensors)")
-    parser.add_argument("--engine", choices=("embedded", "vllm", "sglang"), default="embedded",
-                        help="rollout engine (default: embedded); sglang runs on rank 0 with TP = --tp")  # fmt: skip
-    parser.add_argument("--tp", type=int, default=1, help="actor tensor-parallel size (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="actor pipeline-parallel size (default 1)")
-    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (default: none)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="actor and engine dtype (default float32: exact comparison)")  # fmt: skip
-    parser.add_argument("--tolerance", type=float, default=1e-3,
-                        help="largest allowed per-token |engine - actor| log-prob difference (default 1e-3)")  # fmt: skip
-    parser.add_argument("--update", choices=("perturb", "step"), default="perturb",
-                        help="how the actor's weights change before the sync: scale every weight by 1 + 2^-6 "
-                        "(default; every tensor changes, so a missed one is caught) or one optimizer step")  # fmt: skip
-    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of --update step (default 1e-4)")
-    parser.add_argument("--num-prompts", type=int, default=4, help="random prompts to sample from (default 4)")
-    parser.add_argument("--responses-per-prompt", type=int, default=2, help="samples per prompt (default 2)")
-    parser.add_argument("--prompt-length", type=int, default=16, help="tokens per random prompt (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="response length limit (default 32)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling and --update step")
-    parser.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket size in MB (rollout.weight_sync_bucket_mb)")
-    parser.add_argument("--sync-mode", choices=("auto", "gather", "shared_memory", "tp_shards"), default="auto",
-                        help="how TP shards reach the engine (rollout.weight_sync_mode): gather full tensors, each TP "
-                        "rank writes its own slices to /dev/shm (leader placement) or loads them into its own engine "
-                        "shard (spmd); auto (default) picks like the trainer")  # fmt: skip
-    parser.add_argument("--placement", choices=("leader", "spmd"), default="leader",
-                        help="rollout.placement: one engine on rank 0 (default), or vLLM SPMD: every rank holds its "
-                        "shard of an engine with TP = --tp (vllm only)")  # fmt: skip
-    parser.add_argument("--only-failures", action="store_true", help="list only the tensors that differ")
-    parser.add_argument("--corrupt-tensor", metavar="NAME", default=None,
-                        help="self-test: after the sync, overwrite this HF tensor in the engine with a perturbed "
-                        "copy; the check must then fail (proves it can see a bad tensor on your setup)")  # fmt: skip
-    parser.add_argument("--transformer-engine", choices=("auto", "on", "off"), default="auto",
-                        help="actor layer implementation (default auto: TE when usable)")  # fmt: skip
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM: share of GPU memory (default 0.3)")
-    parser.add_argument("--kv-cache-mb", type=int, default=None,
-                        help="vLLM: KV cache size in MB (default: 256 on CPU, from --gpu-memory-utilization on GPU)")  # fmt: skip
-    parser.add_argument("--timeout-s", type=float, default=900, help="collective timeout in seconds (default 900)")
-
-
-# ---------------------------------------------------------------------------------------------
-# Launch: re-execute under torch.distributed.run when started as a plain command
-# ---------------------------------------------------------------------------------------------
-
-
-def launched_by_a_launcher(env: Optional[dict] = None) -> bool:
-    """True under torchrun (RANK / WORLD_SIZE) or inside an srun step (not a bare sbatch shell)."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return True
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    return in_step and "SLURM_PROCID" in env and "SLURM_NTASKS" in env
-
-
-def to_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line options that reproduce `args` (for the re-executed processes)."""
-    argv: list[str] = []
-    for action_dest, value in sorted(vars(args).items()):
-        if action_dest.startswith("_") or action_dest == "command" or value is None or value is False:
-            continue
-        flag = "--" + action_dest.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return argv
-
-
-def _relaunch(args: argparse.Namespace, nproc: int) -> int:
-    """Run this check on `nproc` local processes under torch.distributed.run; return its exit code."""
-    import socket
-
-    import megatron_dapo
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    package_root = str(Path(megatron_dapo.__file__).resolve().parent.parent)
-    with tempfile.TemporaryDirectory(prefix="check_sync_") as tmp:
-        result_file = Path(tmp) / "result.json"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env[RESULT_FILE_ENV] = str(result_file)
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "megatron_dapo.rollout.sync.check", *to_argv(args),
-        ]  # fmt: skip
-        print(f"check-sync: starting {nproc} processes (tp={args.tp} x pp={args.pp}) with torch.distributed.run", flush=True)
-        code = subprocess.call(command, env=env)
-        if result_file.is_file():
-            return EXIT_PASS if json.loads(result_file.read_text())["passed"] else EXIT_FAIL
-        print(f"check-sync: the processes failed before reaching a verdict (exit code {code})", file=sys.stderr)
-        return EXIT_ERROR
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of `megatron-dapo check-sync` (see the module docstring)."""
-    for name in ("tp", "pp", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            print(f"check-sync: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return EXIT_ERROR
-    if not (Path(args.hf_dir) / "config.json").is_file():
-        print(f"check-sync: {args.hf_dir} is not an HF model directory (no config.json)", file=sys.stderr)
-        return EXIT_ERROR
-    nproc = args.tp * args.pp
-    if launched_by_a_launcher():
-        return _check(args, env=None)
-    if nproc > 1:
-        return _relaunch(args, nproc)
-    return _check(args, env={})  # one process, no launcher: a private single-rank group
-
-
-# ---------------------------------------------------------------------------------------------
-# The check (every rank)
-# ---------------------------------------------------------------------------------------------
+class CheckSyncError(InputError, ValueError):
+    """An option the check cannot use, found once the model and the engine are up (e.g. --corrupt-tensor NAME)."""
 
 
 class _Printer:
@@ -189,9 +64,8 @@ class _Printer:
 def _make_engine(args: argparse.Namespace, device, torch_dtype):
     """rank 0's engine (leader placement), or this rank's shard of a TP = --tp vLLM engine (spmd)."""
     if args.engine == "embedded":
-        from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
-
         return EmbeddedEngine(args.hf_dir, dtype=torch_dtype, device=device)
+    # vLLM and SGLang are optional installs: their modules load only when the check uses them.
     if args.engine == "sglang":
         from megatron_dapo.rollout.engines.sglang.engine import SGLangEngine
 
@@ -228,8 +102,6 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
 
 
 def _actor_config(args: argparse.Namespace):
-    from megatron_dapo.config import Config
-
     cfg = Config()
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = args.tp, args.pp, args.vpp
     cfg.optimizer.lr = args.lr
@@ -242,10 +114,6 @@ def _actor_config(args: argparse.Namespace):
 
 def _sample(engine, prompts, args, seed: int) -> dict:
     """Rank 0 samples; every rank gets the responses (and rank 0's log-probs)."""
-    import torch.distributed as dist
-
-    from megatron_dapo.rollout.base import SamplingParams
-
     payload = [None]
     if engine is not None:
         params = SamplingParams(
@@ -262,8 +130,6 @@ def _sample(engine, prompts, args, seed: int) -> dict:
 
 
 def _as_batch(prompts, sampled: dict):
-    from megatron_dapo.actor import PolicyBatch
-
     return PolicyBatch.from_token_lists([prompts[i] for i in sampled["prompt_index"]], sampled["responses"])
 
 
@@ -273,10 +139,6 @@ def _compare_tensors(engine, models, hf_cfg, say: _Printer, only_failures: bool)
     Prints one line per tensor (only the differing ones with `only_failures`; nothing when `say` is
     disabled). Returns (equal, compared, problems) on rank 0; (0, 0, []) elsewhere.
     """
-    import torch
-
-    from megatron_dapo.model.load import export_megatron_to_hf
-
     state = dict(engine.named_weights()) if engine is not None else {}
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     equal = compared = 0
@@ -320,26 +182,19 @@ def _compare_tensors(engine, models, hf_cfg, say: _Printer, only_failures: bool)
     return equal, compared, problems
 
 
-def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
-    import torch
-    import torch.distributed as dist
+def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file: Optional[Path] = None) -> bool:
+    """Run the check on every rank of the launch described by `env` (None: this process's
+    environment; {}: a private world of one); True when it passed (the same on every rank).
 
-    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
-    from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.algorithm.mismatch import log_prob_mismatch
-    from megatron_dapo.rollout.placement import SpmdSlot
-
+    `args`: the options of `megatron-dapo check-sync` (cli/check_sync.py). `result_file`: rank 0
+    also writes the verdict there as JSON ({"passed": bool}), for a parent process to read.
+    """
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp), timeout_s=args.timeout_s, seed=args.seed, env=env)
     say = _Printer(ctx.rank == 0)
     engine = None
     passed = False
     try:
-        from megatron_dapo.actor import ForwardSettings, ReferenceModel, build_actor, split_mini_batches
-        from megatron_dapo.model.builder import build_gpt_models
-        from megatron_dapo.model.hf_config import read_hf_config
-        from megatron_dapo.model.load import load_hf_into_megatron
-
         hf_cfg = read_hf_config(args.hf_dir)
         layout = ctx.layout
         say(f"check-sync: {args.hf_dir} ({hf_cfg.architecture}, {hf_cfg.num_layers} layers)")
@@ -355,8 +210,6 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
             actor = build_actor(cfg, models, vocab_size=hf_cfg.vocab_size)
         else:
             actor = ReferenceModel(models, ForwardSettings.from_config(cfg, hf_cfg.vocab_size))
-        if args.placement == "spmd" and args.engine != "vllm":
-            raise ValueError("--placement spmd needs --engine vllm")
         if ctx.rank == 0 or args.placement == "spmd":  # spmd: a collective, every rank holds a shard
             engine = _make_engine(args, ctx.device, torch_dtype)
         dist.barrier()
@@ -394,7 +247,7 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
         if engine is not None and args.corrupt_tensor:
             current = dict(engine.named_weights())
             if args.corrupt_tensor not in current:
-                raise KeyError(f"--corrupt-tensor {args.corrupt_tensor!r}: the engine has no such tensor")
+                raise CheckSyncError(f"--corrupt-tensor {args.corrupt_tensor!r}: the engine has no such tensor")
             bad = current[args.corrupt_tensor].clone()
             bad.add_(0.05 * bad.abs().max().clamp(min=1e-3))
             # The whole state again with one tensor changed: vLLM takes a fused layer (gate_up_proj,
@@ -435,22 +288,10 @@ def _check(args: argparse.Namespace, env: Optional[dict]) -> int:
         flag = torch.tensor([1 if passed else 0], dtype=torch.long, device=ctx.device)
         dist.broadcast(flag, src=0)
         passed = bool(flag.item())
-        if ctx.rank == 0 and os.environ.get(RESULT_FILE_ENV):
-            Path(os.environ[RESULT_FILE_ENV]).write_text(json.dumps({"passed": passed}))
+        if ctx.rank == 0 and result_file is not None:
+            result_file.write_text(json.dumps({"passed": passed}))
     finally:
         if engine is not None:
             engine.shutdown()
         teardown()
-    if os.environ.get(RESULT_FILE_ENV):
-        return EXIT_PASS  # the parent reads the verdict from the file; torchrun stays quiet
-    return EXIT_PASS if passed else EXIT_FAIL
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-dapo check-sync")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return passed

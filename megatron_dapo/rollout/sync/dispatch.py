@@ -1,283 +1,101 @@
-"""Resharding: stream the actor's Megatron shards into rollout engines as HF-named tensors, in buckets.
+"""The weight-sync dispatcher: `rollout.weight_sync_mode` resolved, and the chosen stream pushed into the engines.
 
-    stats = sync_weights(actor.gpt_models, hf_cfg, engine if owns_engine else None,
-                         bucket_mb=cfg.rollout.weight_sync_bucket_mb)     # every actor rank
+    mode = choose_sync_mode(cfg.rollout.weight_sync_mode, tp, tp_group_hosts, engine, device_type, placement)
+    stats = sync_weights(actor.gpt_models, hf_cfg, target, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                         tp_shards=mode != "gather")                       # every actor rank
     print(stats.gb_per_s, stats.num_buckets, stats.peak_bucket_bytes)
 
-Names and transforms come from ONE place: the architecture's mapping table (`model/arch_tables.py`),
-the same rows that load HF checkpoints into Megatron. The full-tensor stream is
-`model.load.export_megatron_to_hf`, which walks the table one Megatron parameter at a time:
-the owning pipeline stage all-gathers the parameter's TP shards and turns them into full HF
-tensors with the row's transform (QKV de-interleaved per query group, gate/up split, vocabulary
-padding removed, VPP chunks in global layer order), then broadcasts them to the other stages.
-This module groups that stream into buckets of at most ``bucket_mb`` MiB and hands each bucket to
-the engine(s) with `RolloutEngine.load_weights`, so the extra memory held at any time is one bucket
-(plus the one parameter being gathered), never the whole model. A tensor larger than a bucket
-travels alone.
+One module per mode streams the actor's Megatron shards as HF-named tensors:
 
-Collectives. The export is a collective over the model-parallel group: every actor rank calls
-`sync_weights` (or consumes `iter_weight_buckets` to the end), in the same order, whether it owns an
-engine or not. Ranks without an engine pass ``engines=None``: they take part in the collectives and
-drop the tensors at once (no bucket is kept). Data-parallel replicas export independently.
+* "gather" (`gather.py`): full tensors, each parameter's TP shards all-gathered; the engine's
+  owner (leader placement) or every rank (spmd) loads them with `RolloutEngine.load_weights`.
+* "shared_memory" (`shared_memory.py`, leader placement): each TP rank writes its own slices
+  (`shards.py`) into one bucket file in /dev/shm that the engine reads: no TP gather.
+* "tp_shards" (`tp_shards.py`, spmd placement with rollout TP = actor TP): each rank loads its own
+  slices into its own in-process engine shard: no gather, no file.
 
-TP shards without a gather. When the engine's owner shares a node with its TP group, the full
-gather is wasted work: each TP rank can hand over its OWN shard. `engine_shards` converts one
-Megatron shard into the HF-named slices it holds (`EngineShard`: the tensor plus where it sits in
-the full HF tensor), using the row's own transform on a per-rank `ModelShape`;
-`iter_weight_shard_buckets` streams them (pipeline stages still broadcast, no TP communication at
-all), and `sync_weights(..., tp_shards=True)` gives them to a ``load_weight_shards`` target: the
-`shard_handover.SharedMemoryHandover` (leader placement: every TP rank writes its slices into one
-shared bucket file that the engine then reads) or `spmd_sync.InProcessShardTarget` (spmd placement:
-each rank loads its slices into its own in-process engine shard). `RolloutGroup` picks the path
-(see its doc); buckets are cut by `bucketing.bucket_stream`, the rule every weight path shares. The slicing
-convention is the usual one of TP inference engines: rank r holds the r-th contiguous block of attention heads / query
-groups (q, k and v of the same groups), of gate and up rows, and of the input dimension of
-o_proj/down_proj; norms are whole. Vocabulary rows are Megatron's padded split with the padding
-dropped (an engine whose vocabulary padding differs must place them by ``start``).
+`choose_sync_mode` turns the configured value ("auto" included) into one of them, identically on
+every rank; `RolloutGroup` makes the target (the engine, a `SharedMemoryHandover` or an
+`InProcessShardTarget`) and calls `sync_weights`, which cuts the stream into buckets of at most
+``bucket_mb`` MiB (`bucketing.bucket_stream`, the rule every weight path shares) and hands each
+bucket to the target, so the extra memory held at any time is one bucket.
+
+Collectives. The export is a collective over the actor's model-parallel group: every actor rank
+calls `sync_weights`, in the same order, whether it owns an engine or not. Ranks without an engine
+pass ``engines=None``: they take part in the collectives and drop the tensors at once (no bucket is
+kept). Data-parallel replicas export independently.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
-from megatron_dapo.model.arch_tables import mapping_for
-from megatron_dapo.model.mapping import (
-    GATE_UP,
-    QKV_INTERLEAVED,
-    REPLICATED,
-    TP_SPLIT,
-    VOCAB_PAD,
-    Map,
-    ModelShape,
-    layer_location,
-)
-from megatron_dapo.rollout.sync.bucketing import bucket_stream, tensor_item_nbytes as _nbytes
-from megatron_dapo.model.safetensors_format import tensor_nbytes
+from megatron_dapo.rollout.sync import gather, shards
+from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, MIB, bucket_limit_bytes, bucket_stream, tensor_item_nbytes
+from megatron_dapo.rollout.sync.shards import EngineShard
 
-__all__ = [
-    "DEFAULT_BUCKET_MB",
-    "EngineShard",
-    "ShardLoadingEngine",
-    "SyncStats",
-    "bucket_stream",
-    "engine_shards",
-    "iter_weight_buckets",
-    "iter_weight_shard_buckets",
-    "sync_weights",
-]
+__all__ = ["SYNC_MODES", "ShardLoadingEngine", "SyncStats", "choose_sync_mode", "sync_weights"]
 
-DEFAULT_BUCKET_MB = 512
-MIB = 1 << 20
-
-WeightBucket = list[tuple[str, torch.Tensor]]
+SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
+"""The values of `rollout.weight_sync_mode`."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Buckets
-# ---------------------------------------------------------------------------------------------
-
-
-def _bucket_limit(bucket_mb: float) -> int:
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb} (rollout.weight_sync_bucket_mb)")
-    return max(1, int(bucket_mb * MIB))
-
-
-# ---------------------------------------------------------------------------------------------
-# Full HF tensors (any engine)
-# ---------------------------------------------------------------------------------------------
-
-
-def iter_weight_buckets(
-    models: Sequence[torch.nn.Module], hf_config, bucket_mb: float = DEFAULT_BUCKET_MB
-) -> Iterator[WeightBucket]:
-    """Buckets of (HF name, full tensor) of the whole model, on every rank, in HF order.
-
-    A collective over the model-parallel group (see the module doc): every rank must consume it to
-    the end. `models` are this rank's model chunks (DDP-wrapped or not), `hf_config` the
-    `HFModelConfig` they were built from. The tensors may alias the actor's parameters (replicated
-    ones at TP=1): copy what you keep beyond the current bucket.
-    """
-    from megatron_dapo.model.load import export_megatron_to_hf
-
-    return bucket_stream(export_megatron_to_hf(models, hf_config), _bucket_limit(bucket_mb))
-
-
-# ---------------------------------------------------------------------------------------------
-# TP shards (engine TP == actor TP)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineShard:
-    """One TP rank's slice of one HF tensor: ``full.narrow(dim, start, tensor.shape[dim]) == tensor``.
-
-    ``dim`` is None for tensors every rank holds whole (norms); then ``start`` is 0 and ``full_size``
-    is the tensor's first dimension.
-    """
-
-    name: str
-    tensor: torch.Tensor
-    dim: Optional[int]
-    start: int
-    full_size: int
-
-    @property
-    def full_shape(self) -> tuple[int, ...]:
-        """Shape of the full HF tensor."""
-        shape = list(self.tensor.shape)
-        if self.dim is not None:
-            shape[self.dim] = self.full_size
-        return tuple(shape)
-
-    @property
-    def full_nbytes(self) -> int:
-        """Bytes of the full HF tensor (the same on every TP rank, unlike the shard's own size)."""
-        return tensor_nbytes(self.tensor.dtype, self.full_shape)
-
-
-def _rank_shape(shape: ModelShape, tp_size: int) -> ModelShape:
-    """The `ModelShape` of one TP rank's share of the attention heads (whole query groups)."""
-    if shape.num_query_groups % tp_size:
-        raise ValueError(f"{shape.num_query_groups} query groups cannot be split over {tp_size} TP ranks")
-    groups = shape.num_query_groups // tp_size
-    return ModelShape(groups * shape.heads_per_group, groups, shape.head_dim, shape.vocab_size, shape.padded_vocab_size)
-
-
-def engine_shards(
-    row: Map,
-    layer: Optional[int],
-    megatron_shard: torch.Tensor,
-    tp_rank: int,
+def choose_sync_mode(
+    requested: str,
     tp_size: int,
-    shape: ModelShape,
-) -> list[EngineShard]:
-    """The HF-named slices held by TP rank `tp_rank`, from its Megatron shard of mapping row `row`.
+    tp_group_hosts: Sequence[str],
+    engine_kind: str,
+    device_type: str,
+    placement: str = "leader",
+    rollout_tp: Optional[int] = None,
+) -> str:
+    """The weight-sync mode for `rollout.weight_sync_mode=requested`; pure.
 
-    `shape` is the full model's `ModelShape` at this TP size. Pure function (no communication).
-    The de-interleaving of QKV and the gate/up split are the row's own `to_hf` applied to this
-    rank's shard alone, with this rank's share of the query groups; the offsets follow from the
-    even split. Vocabulary shards lose their padding rows (possibly all of them on the last rank).
+    `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
+    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises ValueError for a
+    mode the placement cannot use. "auto": spmd -> tp_shards when rollout TP = actor TP > 1, else
+    gather; leader -> shared_memory when the actor's TP > 1 and the leader's TP group shares a node,
+    except for the embedded engine on a GPU (there the NCCL gather lands directly in GPU memory,
+    while the file path would go through host memory); otherwise gather.
     """
-    names = row.hf_names(layer)
-    transform = row.transform
-    if transform is REPLICATED or (transform is TP_SPLIT and row.tp_dim is None):
-        (tensor,) = row.to_hf([megatron_shard], shape)
-        return [EngineShard(names[0], tensor, None, 0, tensor.shape[0] if tensor.dim() else 1)]
-    if transform is TP_SPLIT:
-        (tensor,) = row.to_hf([megatron_shard], shape)
-        size = tensor.shape[row.tp_dim]
-        return [EngineShard(names[0], tensor, row.tp_dim, tp_rank * size, size * tp_size)]
-    if transform is QKV_INTERLEAVED:
-        parts = row.to_hf([megatron_shard], _rank_shape(shape, tp_size))
-    elif transform is GATE_UP:
-        parts = row.to_hf([megatron_shard], shape)
-    elif transform is VOCAB_PAD:
-        per_rank = megatron_shard.shape[0]
-        lo = tp_rank * per_rank
-        real = max(0, min(per_rank, shape.vocab_size - lo))
-        return [EngineShard(names[0], megatron_shard[:real], 0, min(lo, shape.vocab_size), shape.vocab_size)]
-    else:
-        raise NotImplementedError(f"no shard hand-over rule for transform {transform} (row {row.megatron})")
-    return [
-        EngineShard(name, part, 0, tp_rank * part.shape[0], part.shape[0] * tp_size) for name, part in zip(names, parts)
-    ]
-
-
-def _owner_stage(row: Map, layer: Optional[int], num_layers: int, pp: int, vpp: Optional[int]) -> tuple[int, int, Optional[int]]:
-    """(pipeline stage, model chunk, chunk-local layer) holding a row (embedding first, head last)."""
-    if layer is not None:
-        return layer_location(layer, num_layers, pp, vpp)
-    if row.megatron.startswith("embedding."):
-        return 0, 0, None
-    return pp - 1, (vpp or 1) - 1, None
-
-
-@torch.no_grad()
-def _iter_engine_shards(models: Sequence[torch.nn.Module], hf_config) -> Iterator[EngineShard]:
-    """This TP rank's `EngineShard`s of the whole model, in HF order, on every pipeline stage."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_dapo.model.builder import layer_spec_of, unwrap_model
-
-    models = [unwrap_model(m) for m in models]
-    table = mapping_for(hf_config)
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    vpp = len(models) if len(models) > 1 else None
-    shape = ModelShape.from_hf(hf_config, tp)
-    num_layers = hf_config.num_layers
-    specs = [layer_spec_of(m) for m in models]
-    params = [dict(m.named_parameters()) for m in models]
-    items = list(table.ordered(num_layers))
-    owners = [_owner_stage(row, layer, num_layers, pp, vpp) for row, layer in items]
-
-    def local_shards(index: int, meta: bool = False) -> list[EngineShard]:
-        (row, layer), (_, chunk, local) = items[index], owners[index]
-        param = params[chunk][row.megatron_name(specs[chunk], local)].detach()
-        if meta:  # shapes only: the same transforms on a storage-less tensor
-            param = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        return engine_shards(row, layer, param, tp_rank, tp, shape)
-
-    if pp == 1:
-        for index in range(len(items)):
-            yield from local_shards(index)
-        return
-
-    # Each stage describes the shards it owns; one exchange tells every stage what to receive.
-    pp_group = ps.get_pipeline_model_parallel_group()
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    device = next(iter(params[0].values())).device
-    mine = {}
-    for index, owner in enumerate(owners):
-        if owner[0] == pp_rank:
-            mine[index] = [(s.name, tuple(s.tensor.shape), s.tensor.dtype, s.dim, s.start, s.full_size) for s in local_shards(index, meta=True)]
-    described: list = [None] * pp
-    dist.all_gather_object(described, mine, group=pp_group)
-    meta = {index: entry for part in described for index, entry in part.items()}
-    for index, owner in enumerate(owners):
-        if owner[0] == pp_rank:
-            shards = [EngineShard(s.name, s.tensor.contiguous(), s.dim, s.start, s.full_size) for s in local_shards(index)]
-        else:
-            shards = [EngineShard(n, torch.empty(sh, dtype=dt, device=device), d, st, fs) for n, sh, dt, d, st, fs in meta[index]]
-        for shard in shards:
-            if shard.tensor.numel():
-                dist.broadcast(shard.tensor, src=pp_ranks[owner[0]], group=pp_group)
-        yield from shards
-
-
-def _full_nbytes(shard: EngineShard) -> int:
-    return shard.full_nbytes
-
-
-def iter_weight_shard_buckets(
-    models: Sequence[torch.nn.Module], hf_config, bucket_mb: float = DEFAULT_BUCKET_MB
-) -> Iterator[list[EngineShard]]:
-    """Buckets of this TP rank's `EngineShard`s of the whole model (no TP gather), on every PP stage.
-
-    A collective over the pipeline group: every rank must consume it to the end. Buckets are cut by
-    the FULL tensors' bytes (what they fill in a shared bucket file), so every TP rank cuts the same
-    buckets, although its own slices differ in size (the vocabulary's last rank).
-    """
-    return bucket_stream(_iter_engine_shards(models, hf_config), _bucket_limit(bucket_mb), size_of=_full_nbytes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sync into engines
-# ---------------------------------------------------------------------------------------------
+    if requested not in SYNC_MODES:
+        raise ValueError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
+    if placement == "spmd":
+        same_tp = rollout_tp == tp_size
+        if requested == "shared_memory":
+            raise ValueError("rollout.weight_sync_mode=shared_memory is for rollout.placement=leader; with spmd use auto, gather or tp_shards")
+        if requested == "tp_shards" and not same_tp:
+            raise ValueError(f"rollout.weight_sync_mode=tp_shards needs rollout.tp = parallel.tp (got {rollout_tp} and {tp_size}): use auto or gather")
+        if requested == "auto":
+            return "tp_shards" if same_tp and tp_size > 1 else "gather"
+        return requested
+    if requested == "tp_shards":
+        raise ValueError("rollout.weight_sync_mode=tp_shards needs rollout.placement=spmd (vLLM): use auto, gather or shared_memory")
+    one_node = len(set(tp_group_hosts)) <= 1
+    if requested == "gather":
+        return "gather"
+    if requested == "shared_memory":
+        if not one_node:
+            raise ValueError(
+                f"rollout.weight_sync_mode=shared_memory needs the TP group on one node; it spans {sorted(set(tp_group_hosts))} "
+                "(use gather or auto)"
+            )
+        return "shared_memory"
+    if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
+        return "shared_memory"
+    return "gather"
 
 
 class ShardLoadingEngine(Protocol):
     """Takes one TP rank's slices directly (`sync_weights(..., tp_shards=True)`).
 
-    Every rank of the TP group that feeds one engine has one (`shard_handover.SharedMemoryHandover`):
-    `load_weight_shards` is called on all of them with the same bucket (same names, each rank's own
-    slices), so it may be a collective over that group.
+    Every rank of the TP group that feeds one engine has one (`shared_memory.SharedMemoryHandover`,
+    `tp_shards.InProcessShardTarget`): `load_weight_shards` is called on all of them with the same
+    bucket (same names, each rank's own slices), so it may be a collective over that group.
     """
 
     def load_weight_shards(self, shards: Iterable[EngineShard]) -> None:
@@ -339,21 +157,21 @@ def sync_weights(
     no buckets). Engines must be awake (`wake_up`) first; an engine's ``commit_weights`` (if it has
     one) is called at the end, so the engine is ready to generate when this returns.
     With ``tp_shards`` each rank streams its own TP shards (no TP gather, buckets as in
-    `iter_weight_shard_buckets`) to a `ShardLoadingEngine` (`shard_handover.SharedMemoryHandover`).
-    Otherwise full HF tensors go to `RolloutEngine.load_weights`.
+    `shards.iter_weight_shard_buckets`) to a `ShardLoadingEngine` (modes "shared_memory" and
+    "tp_shards"). Otherwise full HF tensors (`gather.iter_full_tensors`) go to
+    `RolloutEngine.load_weights`.
     """
     targets = _as_engine_list(engines)
     if tp_shards:
         missing = [type(e).__name__ for e in targets if not hasattr(e, "load_weight_shards")]
         if missing:
             raise TypeError(f"tp_shards=True needs engines with load_weight_shards(); {missing} have none")
-        stream = _iter_engine_shards(models, hf_config)
-        bucket_size = _full_nbytes  # identical on every TP rank (see iter_weight_shard_buckets)
+        # Looked up on the modules at each call: a memory ledger may pause them (storage_ledger).
+        stream = shards.iter_engine_shards(models, hf_config)
+        bucket_size = shards.full_nbytes  # identical on every TP rank (see iter_weight_shard_buckets)
     else:
-        from megatron_dapo.model.load import export_megatron_to_hf
-
-        stream = export_megatron_to_hf(models, hf_config)
-        bucket_size = _nbytes
+        stream = gather.iter_full_tensors(models, hf_config)
+        bucket_size = tensor_item_nbytes
 
     start = time.perf_counter()
     load_seconds = 0.0
@@ -361,11 +179,11 @@ def sync_weights(
     if not targets:
         # Nothing to deliver: take part in the collectives, keep nothing. Bucket counts stay 0.
         for item in stream:
-            total += _nbytes(item)
+            total += tensor_item_nbytes(item)
             tensors += 1
     else:
-        for bucket in bucket_stream(stream, _bucket_limit(bucket_mb), size_of=bucket_size):
-            total += sum(_nbytes(item) for item in bucket)
+        for bucket in bucket_stream(stream, bucket_limit_bytes(bucket_mb), size_of=bucket_size):
+            total += sum(tensor_item_nbytes(item) for item in bucket)
             tensors += len(bucket)
             buckets += 1
             peak = max(peak, sum(bucket_size(item) for item in bucket))

@@ -4,7 +4,7 @@
     sync_weights(models, hf_cfg, handover, bucket_mb=512, tp_shards=True)
     handover.close()
 
-The gather path (`weight_sync.sync_weights` without ``tp_shards``) all-gathers every parameter's TP
+The gather path (`gather.py`: `sync_weights` without ``tp_shards``) all-gathers every parameter's TP
 shards onto every TP rank, and then the engine's owner alone moves the full tensors into the
 engine. Here each TP rank of the owner's TP group writes only its OWN slices (`EngineShard`s: the
 HF-named pieces of its Megatron shard, with their place in the full HF tensor) straight into one
@@ -22,7 +22,7 @@ rank 0); no rank ever holds a full copy of a split parameter; the only TP commun
 small synchronisations per bucket. The file of one bucket is the only extra memory, and the owner
 removes it once the engine has it, before any rank starts the next one (peak = one bucket).
 
-Requirements: the TP group shares one node (/dev/shm is per node; `RolloutGroup` checks host names
+Requirements: the TP group shares one node (/dev/shm is per node; `dispatch.choose_sync_mode` checks host names
 and otherwise keeps the gather path). On GPUs each rank copies its shards to host memory (in
 parallel), which is where engines in other processes (vLLM, SGLang) receive weights from anyway.
 """
@@ -39,10 +39,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from megatron_dapo.rollout.sync.bucketing import reserve_file_space
-from megatron_dapo.rollout.sync.dispatch import EngineShard
+from megatron_dapo.rollout.sync.shards import EngineShard
 from megatron_dapo.model.safetensors_format import safetensors_header
+from megatron_dapo.distributed.objects import broadcast_object, gather_objects
 
 __all__ = [
     "SharedMemoryHandover",
@@ -100,8 +102,6 @@ def write_shards_into_bucket_file(path: Path, shards: Sequence[EngineShard], tp_
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of a safetensors file, read one at a time (in name order)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         for name in handle.keys():
             yield name, handle.get_tensor(name)
@@ -126,7 +126,7 @@ def _first_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 class SharedMemoryHandover:
-    """One TP group's shard path into its engine (a `ShardLoadingEngine` for `sync_weights`).
+    """One TP group's shard path into its engine (a `dispatch.ShardLoadingEngine` for `sync_weights`).
 
     Exists on every rank of the TP group that holds the engine's owner; TP group rank 0 is the owner
     (it creates the bucket directory, gives files to the engine and removes them). The owner may
@@ -150,8 +150,6 @@ class SharedMemoryHandover:
     @classmethod
     def create(cls, engine: Any, group: Optional[dist.ProcessGroup]) -> "SharedMemoryHandover":
         """Collective over `group`: the owner (group rank 0) makes the directory, everyone learns it."""
-        from megatron_dapo.distributed.objects import broadcast_object
-
         group_rank = dist.get_rank(group)
         if engine is not None and group_rank != 0:
             raise ValueError(f"the engine must live on rank 0 of its TP group, not on group rank {group_rank}")
@@ -161,8 +159,6 @@ class SharedMemoryHandover:
 
     def load_weight_shards(self, shards: Iterable[EngineShard]) -> None:
         """Collective over the TP group: every rank writes its slices, the owner's engine takes the file."""
-        from megatron_dapo.distributed.objects import broadcast_object, gather_objects
-
         shards = list(shards)
         path = self.directory / f"bucket{self._count:06d}.safetensors"
         self._count += 1

@@ -33,6 +33,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megatron_dapo.model import load
+from megatron_dapo.rollout.engines.vllm.worker import VLLMWorkerExtension
+from megatron_dapo.rollout.sync import shards
+
 __all__ = ["StorageLedger", "weight_path_ledger"]
 
 
@@ -160,17 +164,13 @@ def _tensors(*trees: Any) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def weight_path_ledger() -> Iterator[StorageLedger]:
     """An active ledger that counts what a weight push allocates between the actor's export and
-    vLLM's own loading, both paused: the export streams (`weight_sync._iter_engine_shards`,
+    vLLM's own loading, both paused: the export streams (`shards.iter_engine_shards`,
     `model.load.export_megatron_to_hf`: the per-tensor transforms a push needs on any device) and,
     in this process, vLLM's loaders, layer-wise reload and commit (`VLLMWorkerExtension._mdapo_load`,
     `_mdapo_finish_weight_update`: the engine's own work on its parameters' device)."""
-    from megatron_dapo.model import load
-    from megatron_dapo.rollout.sync import dispatch as weight_sync
-    from megatron_dapo.rollout.engines.vllm.worker import VLLMWorkerExtension
-
     ledger = StorageLedger()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(ledger.pausing(weight_sync, "_iter_engine_shards", returns_iterator=True))
+        stack.enter_context(ledger.pausing(shards, "iter_engine_shards", returns_iterator=True))
         stack.enter_context(ledger.pausing(load, "export_megatron_to_hf", returns_iterator=True))
         stack.enter_context(ledger.pausing(VLLMWorkerExtension, "_mdapo_load"))
         stack.enter_context(ledger.pausing(VLLMWorkerExtension, "_mdapo_finish_weight_update"))

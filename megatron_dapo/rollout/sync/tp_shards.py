@@ -5,7 +5,7 @@
 
 In the spmd placement with `rollout.tp == parallel.tp`, the vLLM TP group of a rank is the actor's
 Megatron TP group (both are the consecutive ranks [r - r % tp, ... + tp)), and TP rank r of vLLM
-holds the same block of heads / rows as Megatron's TP rank r (`weight_sync.engine_shards` uses the
+holds the same block of heads / rows as Megatron's TP rank r (`shards.engine_shards` uses the
 usual convention of TP inference engines). So nothing has to travel between ranks: each rank
 turns its Megatron shard into HF-named `EngineShard`s and gives them to its own vLLM worker in
 the same process (`collective_rpc` is a function call there). No gather, no file.
@@ -32,11 +32,11 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.sync.dispatch import EngineShard
+from megatron_dapo.rollout.sync.shards import EngineShard
 
 
 class InProcessShardTarget:
-    """A `weight_sync.ShardLoadingEngine` feeding this rank's slices to this rank's SPMD vLLM engine."""
+    """A `dispatch.ShardLoadingEngine` feeding this rank's slices to this rank's SPMD vLLM engine."""
 
     def __init__(self, engine: Any, group: Optional[dist.ProcessGroup], vocab_rows: dict[str, tuple[int, int]]) -> None:
         self.engine = engine

@@ -15,6 +15,7 @@ from megatron_dapo.rollout.engines.embedded import (
     left_pad,
     plan_sub_batches,
     sample_next_tokens,
+    sleep_moves_weights,
 )
 from tiny_models import build_tiny_model, load_hf_model, save_tiny_model
 
@@ -368,9 +369,20 @@ def test_sleep_wake_and_shutdown(tiny_model_dirs):
         engine.generate(PROMPTS, params)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sleep_moves_weights_off_the_gpu(tiny_model_dirs):
-    engine = EmbeddedEngine(tiny_model_dirs["qwen2_tied"], device="cuda")
+def test_only_cuda_weights_leave_their_device_to_sleep():
+    assert sleep_moves_weights(torch.device("cuda")) and sleep_moves_weights("cuda:1")
+    assert not sleep_moves_weights(torch.device("cpu")) and not sleep_moves_weights("cpu")
+
+
+# The CPU always; CUDA too where the machine has it (there the weights really move).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_asleep_until_the_weights_wake(tiny_model_dirs, device):
+    """sleep -> (no generate) -> wake KV cache (still asleep) -> wake weights: the trainer's order,
+    enforced on every device; the weights sit in host memory in between, tied LM head kept."""
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2_tied"], device=device)
     params = SamplingParams(temperature=0, max_new_tokens=4)
     before = engine.generate(PROMPTS, params).response_ids
     engine.sleep()
@@ -379,7 +391,9 @@ def test_sleep_moves_weights_off_the_gpu(tiny_model_dirs):
         engine.generate(PROMPTS, params)
     engine.wake_up(["kv_cache"])  # the KV cache alone brings back nothing
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, params)
     engine.wake_up(["weights"])
-    assert all(p.device.type == "cuda" for p in engine.model.parameters())
+    assert all(p.device.type == torch.device(device).type for p in engine.model.parameters())
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
     assert engine.generate(PROMPTS, params).response_ids == before

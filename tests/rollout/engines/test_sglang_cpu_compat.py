@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from megatron_dapo.rollout.engines.process_state import temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as compat
 
 
@@ -127,7 +128,7 @@ def test_children_install_the_stand_ins_only_with_the_marker(tmp_path):
     base = {k: v for k, v in os.environ.items() if k not in (compat.MARKER_ENV, compat.CPU_ENGINE_ENV)}
     directory = compat.make_site_dir()
     try:
-        with compat.child_processes(directory):
+        with temporary_environment(compat.child_environment(directory)):
             assert os.environ[compat.MARKER_ENV] == "1" and os.environ["PYTHONPATH"].startswith(str(directory))
             inside = dict(os.environ)
         assert compat.MARKER_ENV not in os.environ and str(directory) not in os.environ.get("PYTHONPATH", "")

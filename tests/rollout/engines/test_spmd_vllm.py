@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, check_memory_tags
-from megatron_dapo.rollout.group import choose_sync_mode
+from megatron_dapo.rollout.sync.dispatch import choose_sync_mode
 from megatron_dapo.rollout.placement import SpmdSlot, resolve_placement
 from megatron_dapo.rollout.engines.process_state import get_memory_policy, preserved_process_state
 from tiny_models import build_random_model
@@ -59,7 +59,7 @@ def test_placement_resolution():
     assert resolve_placement("auto", "embedded") == "leader"
     assert resolve_placement("auto", "sglang") == "leader"
     assert resolve_placement("leader", "vllm") == "leader"
-    with pytest.raises(ValueError, match="rollout.placement=spmd needs rollout.engine"):
+    with pytest.raises(ValueError, match="'rollout.placement'=spmd needs rollout.engine"):
         resolve_placement("spmd", "sglang")
     with pytest.raises(ValueError, match="unknown rollout.placement"):
         resolve_placement("everywhere", "vllm")
@@ -142,7 +142,7 @@ def test_in_process_target_places_each_slice_where_the_engine_loader_cuts():
     """vLLM's loaders narrow(dim, rank * size, size) a full tensor: each slice must sit exactly there;
     vocabulary rows the engine rank holds inside its own Megatron slice need no exchange."""
     from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
-    from megatron_dapo.rollout.sync.dispatch import EngineShard
+    from megatron_dapo.rollout.sync.shards import EngineShard
 
     class Engine:
         def __init__(self):

@@ -1,7 +1,10 @@
-"""A run with the vLLM engine (spmd placement, one process) stopped by SIGTERM and resumed equals an
-uninterrupted run, on training's default seeding (`rollout.seed_per_prompt=false`: each generation
-batch reseeds the engine's sampler from (rollout.seed, step, batch, engine)). Every logged value
-that is not a wall-clock time must repeat, the rollout's response lengths and scores included.
+"""The demo with `rollout.engine=vllm` (vLLM's CPU build, spmd placement, one process).
+
+The uninterrupted run (three steps) trains with a weight push after every step, and the engine's
+log-probs stay those of the actor. The same run stopped by SIGTERM and resumed equals it, on
+training's default seeding (`rollout.seed_per_prompt=false`: each generation batch reseeds the
+engine's sampler from (rollout.seed, step, batch, engine)). Every logged value that is not a
+wall-clock time must repeat, the rollout's response lengths and scores included.
 (That a reseeded engine repeats itself whatever ran before, and a fresh engine repeats it too, is
 shown on the engine itself in test_vllm_seeds.py; here the trainer's checkpointed RNG would also
 carry an in-process engine's stream across the resume.)
@@ -39,9 +42,26 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
-def test_sigterm_then_resume_equals_uninterrupted_with_vllm(workspace, tmp_path, require_vllm):
-    straight = tmp_path / "straight"
-    _ok(run_cli("train", "--config", str(CONFIG), *FAST, *VLLM, *workspace_overrides(workspace, straight), timeout=900))
+@pytest.fixture(scope="module")
+def straight(workspace, tmp_path_factory, require_vllm) -> Path:
+    """Three uninterrupted steps (the output directory)."""
+    out = tmp_path_factory.mktemp("vllm-straight") / "run"
+    _ok(run_cli("train", "--config", str(CONFIG), *FAST, *VLLM, *workspace_overrides(workspace, out), timeout=900))
+    return out
+
+
+def test_vllm_engine_trains_with_weight_sync_every_step(straight):
+    metrics = read_metrics(straight)
+    assert sorted(metrics) == [1, 2, 3]
+    for step in metrics:
+        assert metrics[step]["train/num_groups_generated"] == 8 * metrics[step]["train/num_gen_batches"]
+        # The engine's sampled-token log-probs against the actor's, float32 on both sides: a stale or
+        # wrong weight push after a step would show up as a large mismatch at the next.
+        assert metrics[step]["rollout_mismatch/mean_abs"] < 1e-3, metrics[step]
+        assert metrics[step]["weight_sync/seconds"] > 0
+
+
+def test_sigterm_then_resume_equals_uninterrupted_with_vllm(workspace, straight, tmp_path):
     reference = read_metrics(straight)
     assert sorted(reference) == [1, 2, 3]
 

@@ -41,7 +41,7 @@ def full_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def my_shards(full: dict[str, torch.Tensor], rank: int, tp: int):
-    from megatron_dapo.rollout.sync.dispatch import EngineShard
+    from megatron_dapo.rollout.sync.shards import EngineShard
 
     shards = []
     for name, tensor in full.items():

@@ -148,7 +148,7 @@ def check_shard_stream(models, hf_cfg, expected: dict[str, torch.Tensor], bucket
     """This rank's TP-shard stream against narrow() of the full export."""
     from megatron.core import parallel_state as ps
 
-    from megatron_dapo.rollout.sync.dispatch import iter_weight_shard_buckets
+    from megatron_dapo.rollout.sync.shards import iter_weight_shard_buckets
 
     bad, names = [], []
     covered: dict[str, int] = {}
@@ -181,7 +181,7 @@ def bucket_liveness(models, hf_cfg, bucket_mb: float) -> dict:
     """
     import gc
 
-    from megatron_dapo.rollout.sync.dispatch import iter_weight_buckets
+    from megatron_dapo.rollout.sync.gather import iter_weight_buckets
 
     refs: list = []
     peak_live = peak_bucket = total = 0

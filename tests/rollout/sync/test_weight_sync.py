@@ -1,12 +1,7 @@
 """Resharding: the actor's Megatron shards -> HF-named tensors -> a rollout engine, bucket by bucket.
 
-One process (no Megatron): bucketing, and the TP-shard hand-over rule (`engine_shards`) checked for
-every row of every architecture table against the slices a TP inference engine holds, written out
-here from the convention (heads / query groups in contiguous blocks, gate and up rows, the input
-dimension of o_proj / down_proj, vocabulary rows without padding).
-
-Four processes over gloo, one launch per engine (see _sync_worker.py): actor layouts TP2xPP2,
-TP1 (x DP4), TP2 (x DP2), PP2 (x DP2) and PP2xVPP2 (x DP2), the engine on rank 0 only, through the
+Four processes over gloo, one launch per engine (see _sync_worker.py): actor layouts TP2xPP2, TP1
+(x DP4), TP2 (x DP2), PP2 (x DP2) and PP2xVPP2 (x DP2), the engine on rank 0 only, through the
 trainer's `RolloutGroup.sync_weights`; the TP layouts in both sync modes (the TP gather, and the
 shared-memory hand-over where each TP rank writes only its own slices). A third launch: a TP=2
 actor feeding a TP=2 vLLM engine (two vLLM workers, each reading its own slices):
@@ -26,6 +21,9 @@ actor feeding a TP=2 vLLM engine (two vLLM workers, each reading its own slices)
 The vLLM launch uses the tiny Qwen3 (head_dim 32: vLLM's CPU attention needs 32 or 64) and vLLM's
 own read-back (`VLLMEngine.named_weights`, which reads the weights through its kernels). Without
 vLLM the test skips, except under CI (`tests/ci.py`: CI=true, 1 or yes) where it fails.
+
+The parts that need no process group run in one process: bucketing (test_bucketing.py), the
+TP-shard rule (test_shards.py), the dispatcher (test_dispatch.py).
 """
 
 from __future__ import annotations
@@ -34,12 +32,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from megatron_dapo.model.arch_tables import ARCH_TABLES
-from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
-from megatron_dapo.rollout.sync.dispatch import SyncStats, bucket_stream, engine_shards, iter_weight_buckets, sync_weights
-from shard_shapes import SHARD_SHAPE, hf_tensor
 from torchrun_utils import run_torchrun_script
 
 WORKER = Path(__file__).parent / "_sync_worker.py"
@@ -156,99 +149,3 @@ def test_sync_into_vllm_all_layouts(vllm_results):
 def test_tp2_actor_hands_its_shards_to_a_tp2_vllm_engine(vllm_tp2_results):
     """The engine's TP equals the actor's: each vLLM worker reads its slices of the shared bucket files."""
     _check_layouts(vllm_tp2_results, "vllm", VLLM_TP2_LAYOUTS)
-
-
-def test_sync_stats_throughput():
-    stats = SyncStats(bytes=2_000_000_000, seconds=4.0, load_seconds=1.0, num_tensors=3, num_buckets=2, peak_bucket_bytes=10)
-    assert stats.gb_per_s == 0.5
-    assert stats.as_metrics()["weight_sync/num_buckets"] == 2.0
-
-# ---------------------------------------------------------------------------------------------
-# Pure parts (one process, no Megatron): bucketing and the TP shard hand-over rule
-# ---------------------------------------------------------------------------------------------
-
-
-def _pairs(sizes):
-    return [(f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate(sizes)]
-
-
-def test_buckets_keep_order_respect_the_limit_and_isolate_big_tensors():
-    items = _pairs([3, 4, 2, 10, 1, 1, 5])
-    buckets = list(bucket_stream(items, bucket_bytes=6))
-    assert [[name for name, _ in b] for b in buckets] == [["t0"], ["t1", "t2"], ["t3"], ["t4", "t5"], ["t6"]]
-    assert [n for b in buckets for n, _ in b] == [n for n, _ in items]
-    for bucket in buckets:
-        assert sum(t.numel() for _, t in bucket) <= 6 or len(bucket) == 1
-    assert list(bucket_stream([], 6)) == []
-    with pytest.raises(ValueError, match="weight_sync_bucket_mb"):
-        list(iter_weight_buckets([], None, bucket_mb=0))
-
-
-def _slice_of_rank(full: torch.Tensor, rank: int, tp: int, dim: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous block of `full` along `dim` (the TP inference convention)."""
-    size = full.shape[dim] // tp
-    return full.narrow(dim, rank * size, size)
-
-
-@pytest.mark.parametrize("arch", sorted(ARCH_TABLES))
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_engine_shards_are_the_engine_slices_of_every_mapping_row(arch, tp):
-    """From each rank's Megatron shard (made by the table's own loader), the hand-over yields exactly
-    the slices a TP engine shard holds, written out here from the convention, not from the code."""
-    s = SHARD_SHAPE
-    table = MappingTable(arch, expand_experts(ARCH_TABLES[arch], s["experts"]), False, s["experts"])
-    shape = ModelShape(s["heads"], s["groups"], s["head_dim"], s["vocab"], padded_vocab_size(s["vocab"], tp))
-    g = torch.Generator().manual_seed(tp)
-    heads_per_rank, groups_per_rank, d = s["heads"] // tp, s["groups"] // tp, s["head_dim"]
-    for row, layer in table.ordered(num_layers=1):
-        full = {name: hf_tensor(name, g) for name in row.hf_names(layer)}
-        covered = {name: [] for name in full}
-        for rank in range(tp):
-            megatron = row.to_megatron_shard([full[n] for n in row.hf_names(layer)], rank, tp, shape)
-            shards = engine_shards(row, layer, megatron, rank, tp, shape)
-            assert [sh.name for sh in shards] == list(row.hf_names(layer))
-            for shard in shards:
-                whole = full[shard.name]
-                name = shard.name
-                if name.endswith(("q_proj.weight", "q_proj.bias")):
-                    expected, dim = whole[rank * heads_per_rank * d : (rank + 1) * heads_per_rank * d], 0
-                elif name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
-                    expected, dim = whole[rank * groups_per_rank * d : (rank + 1) * groups_per_rank * d], 0
-                elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-                    expected, dim = _slice_of_rank(whole, rank, tp, 0), 0
-                elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                    expected, dim = _slice_of_rank(whole, rank, tp, 1), 1
-                elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                    per_rank = shape.padded_vocab_size // tp
-                    lo, hi = min(rank * per_rank, s["vocab"]), min((rank + 1) * per_rank, s["vocab"])
-                    expected, dim = whole[lo:hi], 0
-                else:  # norms: whole on every rank
-                    expected, dim = whole, None
-                assert shard.dim == dim, name
-                assert torch.equal(shard.tensor, expected), name
-                assert shard.full_shape == tuple(whole.shape), name
-                if dim is not None:
-                    assert torch.equal(whole.narrow(dim, shard.start, shard.tensor.shape[dim]), shard.tensor), name
-                covered[name].append(shard)
-        for name, shards in covered.items():
-            if shards[0].dim is None:
-                continue
-            # Together the ranks hold every row / column exactly once, in rank order.
-            ordered = sorted(shards, key=lambda sh: sh.start)
-            assert torch.equal(torch.cat([sh.tensor for sh in ordered], dim=ordered[0].dim), full[name]), name
-
-
-def test_vocab_shard_of_a_rank_holding_only_padding_is_empty():
-    """Vocab 100 padded to 512 at TP=4: rank 1 holds rows 128..255, all padding -> an empty slice."""
-    from megatron_dapo.model.arch_tables import EMBEDDING
-
-    shape = ModelShape(8, 4, 4, 100, padded_vocab_size(100, 4))
-    full = torch.randn(100, 16)
-    shards = [engine_shards(EMBEDDING, None, EMBEDDING.to_megatron_shard([full], r, 4, shape), r, 4, shape)[0] for r in range(4)]
-    assert [sh.tensor.shape[0] for sh in shards] == [100, 0, 0, 0]
-    assert torch.equal(shards[0].tensor, full)
-
-
-def test_tp_shard_sync_needs_engines_that_take_shards():
-    with pytest.raises(TypeError, match="load_weight_shards"):
-        sync_weights([], None, object(), tp_shards=True)

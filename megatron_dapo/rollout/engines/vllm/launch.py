@@ -101,6 +101,7 @@ def unique_shared_memory_names(token: Optional[str]) -> Iterator[dict[str, Optio
     if token is None:
         yield seen
         return
+    # vLLM is an optional install: imported only on this path.
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
     method = shared_memory_init_method(token)

@@ -15,7 +15,7 @@ driver closes it ("commits"). Committing also re-packs a tied LM head: vLLM proc
 weight only through the embedding, so on CPU the LM head would keep its old packed copy.
 Tensors arrive as safetensors bucket files (leader placement: `collective_rpc` arguments cross a
 process boundary as plain lists otherwise) or, in-process, as tensors on the parameters' device
-(TP slices as full-shape `spmd_sync.PlacedSlice`s, which the loaders narrow to their rows).
+(TP slices as full-shape `tp_shards.PlacedSlice`s, which the loaders narrow to their rows).
 
 Reading weights back (`mdapo_export_weights`). On GPU vLLM keeps its weights in checkpoint layout,
 fused and TP-sharded; we split them back into HF names. On CPU, linear layers keep no readable
@@ -37,8 +37,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from safetensors import safe_open
 
 from megatron_dapo.rollout.sync.bucketing import write_safetensors
+
+# vLLM is an optional install and this module is also imported where it is absent (the trainer names
+# the class to vLLM): vLLM's modules are imported inside the methods, which run in vLLM's workers.
 
 # Rows of the identity fed at once when reading a packed CPU linear weight back (bounds memory).
 _IDENTITY_CHUNK = 1024
@@ -90,8 +94,6 @@ class VLLMWorkerExtension:
         On an error the session is closed at once (layers not yet complete keep their old weights,
         partly loaded ones are undefined) so that the engine stays usable, and the error is reported.
         """
-        from safetensors import safe_open
-
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(path, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
@@ -142,7 +144,7 @@ class VLLMWorkerExtension:
         """{HF name: [first, end)} of the real vocabulary rows this TP rank holds, per vocabulary layer.
 
         vLLM pads the vocabulary to a multiple of 64 before splitting it over TP ranks; Megatron pads
-        to 128 * TP, so the two split points can differ (`spmd_sync` exchanges rows then).
+        to 128 * TP, so the two split points can differ (`tp_shards` exchanges rows then).
         """
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 

@@ -1,0 +1,413 @@
+"""The plan: what one GPU holds in each phase of a DAPO step, whether that fits, and the largest
+micro-batch token budget and engine pool that would.
+
+The actor, the rollout engine and the trainer share every GPU and take turns:
+
+* generation: the actor state that is not offloaded (`actor.offload_params / _grads / _optimizer`;
+  without offload all of it: params, grads, optimizer state) + reference + the engine's memory pool
+  (`rollout.gpu_memory_utilization` x GPU, the vLLM / SGLang convention: weights, KV cache and, for
+  vLLM, the engine's profiled activations live inside it) + the gathered results + reserve;
+* weight sync (after the update, `trainer/loop.py`: grads and optimizer state go to host first if
+  offloaded, then the engine's weights wake, the push, then the params go to host, and only then
+  does the KV cache wake): the actor's params + the rest of the actor state not offloaded +
+  reference + the engine's weights (its whole pool if `rollout.free_cache_engine` is off: then
+  nothing sleeps) + one weight-sync bucket (`rollout.weight_sync_bucket_mb`) + reserve;
+  the rollout phase needs the larger of these two moments;
+* training phase: actor (all of it: whatever was offloaded is back) + reference + activations of
+  one micro-batch + reserve; the engine sleeps and its pool is released (`rollout.free_cache_engine`,
+  the default; if it is off the pool stays).
+
+Offload therefore lets the pool grow by the offloaded bytes: the largest `rollout.gpu_memory_utilization`
+is (GPU - actor state kept while generating - reference - reserve) / GPU, shown for the config's
+offload, for a resident actor and for everything offloaded. The offloaded params and optimizer state
+live in host memory (pinned) for the whole run (offloaded grads are dropped and come back as zeros:
+no host copy): per GPU the fullest stage's offloaded params + optimizer state, plus the engine's weights
+where a sleeping engine keeps them there (vLLM at `rollout.sleep_level=1`, the embedded engine at
+either level; vLLM at level 2 and SGLang drop them);
+per node that times the GPUs per node (an upper bound with PP > 1, where stages differ).
+
+The reserve (`--reserve-gib`) stands for what no formula here counts: the CUDA context, NCCL
+buffers, allocator fragmentation with varying micro-batch shapes, and small per-token inputs
+(position ids, labels, the per-token loss inputs: tens of bytes per token).
+
+The largest `trainer.max_tokens_per_micro_batch` is then (GPU - reserve - fixed) / per-token on
+the pipeline stage where it is smallest. At a fixed world size, TP and PP the actor state per GPU
+does not change with CP (the distributed optimizer shards over DP x CP, a constant), so the plan
+also gives the smallest CP whose micro-batch holds the longest sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from megatron_dapo.config import Config, validate_model_shape, validate_world
+from megatron_dapo.plan.activations import StageActivation, stage_activation_bytes
+from megatron_dapo.plan.memory import (
+    OFFLOAD_KINDS,
+    ActorMemory,
+    actor_memory,
+    actor_parts,
+    dtype_bytes,
+    kv_cache_bytes_per_token,
+    result_buffer_bytes,
+    vllm_activation_peak,
+    vllm_batch_defaults,
+)
+from megatron_dapo.plan.parameters import (
+    check_tensor_parallel,
+    hf_parameter_count,
+    rollout_weight_parameters,
+    stage_parameters,
+)
+from megatron_dapo.plan.shapes import GIB, ClusterShape
+
+if TYPE_CHECKING:  # megatron_dapo.model imports torch: kept out of `megatron-dapo --help`
+    from megatron_dapo.model.hf_config import HFModelConfig
+
+DEFAULT_RESERVE_GIB = 6.0
+"""GiB kept free for what no formula counts (module doc): `--reserve-gib`."""
+
+
+@dataclass
+class StageMemory:
+    """One pipeline stage's rank during the actor update."""
+
+    stage: int
+    parameters: int
+    actor: ActorMemory
+    """With the config's optimizer choice."""
+    actor_distributed_optimizer: ActorMemory
+    actor_plain_optimizer: ActorMemory
+    reference: float
+    activation_per_token: float
+    activation_per_token_no_recompute: float
+    activation_per_token_full_recompute: float
+    activation_fixed: float
+    activation_at_budget: float
+    """Activations at the config's micro-batch token budget."""
+    training_total: float
+    """Everything the training phase holds at the config's budget."""
+    max_tokens: int
+    """Largest micro-batch token budget that fits, with the config's recompute setting."""
+    max_tokens_no_recompute: int
+    max_tokens_full_recompute: int
+
+
+@dataclass
+class RolloutMemory:
+    tp: int
+    engines: int
+    weights: float
+    kv_bytes_per_token: int
+    pool: float
+    """rollout.gpu_memory_utilization x GPU memory."""
+    activation_peak: float
+    """vLLM's profiled activation peak (`vllm_activation_peak`): inside the pool for vLLM, next to it for SGLang."""
+    activation_in_pool: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    """vLLM's batch defaults on this GPU, which size its profiling run."""
+    kv_cache: float
+    """pool - weights (- the activation peak when it is inside the pool)."""
+    result_buffers: float
+    """The rollout gather's GPU buffers while the engine is awake (`result_buffer_bytes`)."""
+    full_sequence_tokens: int
+    concurrent_full_sequences: int
+    """Full-length sequences whose KV cache fits the pool at once, per engine."""
+    generation_sequences_per_engine: int
+    """Sequences of one generation batch (gen_batch_size x n) each engine serves."""
+    offloaded: list[str]
+    """What the actor offloads while the engine generates (actor.offload_*): params, grads, optimizer."""
+    actor_kept: float
+    """Actor state + reference that stay on the fullest GPU while the engine generates."""
+    generation_total: float
+    """Kept actor state + reference + pool + result buffers (+ SGLang's activations) + reserve."""
+    sync_total: float
+    """At the weight sync: params + kept state + reference + engine weights (the pool if the engine
+    never sleeps) + weight-sync bucket + reserve."""
+    phase_total: float
+    """The rollout phase: the larger of generation_total and sync_total."""
+    max_gpu_memory_utilization: float
+    """The largest rollout.gpu_memory_utilization that fits with the config's offload."""
+    max_gpu_memory_utilization_resident: float
+    """... with the whole actor resident (no offload)."""
+    max_gpu_memory_utilization_offloaded: float
+    """... with params, grads and optimizer state offloaded."""
+    concurrent_full_sequences_at_max: int
+    """Full-length sequences per engine at max_gpu_memory_utilization."""
+    host_per_gpu: float
+    """Host memory the offloaded state (and, at sleep level 1, the sleeping engine's weights) takes per GPU."""
+    host_per_node: float
+    """host_per_gpu x GPUs per node (the fullest stage on every GPU: an upper bound with PP > 1)."""
+
+
+@dataclass
+class MemoryPlan:
+    model_name: str
+    architecture: str
+    hf_parameters: int
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    gpu_memory: float
+    gpu: str
+    reserve: float
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    cp: int
+    dp: int
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    recompute: bool
+    dtype: str
+    reference_built: bool
+    engine_pool_during_training: bool
+    micro_batch_tokens: int
+    """The config's budget per rank: trainer.max_tokens_per_micro_batch, or micro_batch_size x longest sequence / CP."""
+    longest_sequence: int
+    stages: list[StageMemory]
+    binding_stage: int
+    """The stage with the smallest token budget (reported in the table)."""
+    rollout: RolloutMemory
+    max_tokens_per_micro_batch: int
+    """Per rank (under CP a rank computes 1/CP of each sequence's tokens)."""
+    longest_sequence_per_micro_batch: int
+    """max_tokens_per_micro_batch x CP: the longest sequence one micro-batch can hold."""
+    min_cp_for_longest_sequence: Optional[int]
+    """The smallest parallel.cp (a divisor of world / (TP x PP)) whose micro-batch holds the longest sequence at this
+    world, TP and PP; None: no CP does."""
+    training_fits: bool
+    rollout_fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.training_fits and self.rollout_fits
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["fits"] = self.fits
+        for stage, raw in zip(self.stages, out["stages"]):
+            for key in ("actor", "actor_distributed_optimizer", "actor_plain_optimizer"):
+                raw[key]["total"] = getattr(stage, key).total
+        return out
+
+
+def plan_memory(
+    cfg: Config,
+    model: HFModelConfig,
+    cluster: ClusterShape,
+    *,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+    model_name: str = "",
+) -> MemoryPlan:
+    """Per-GPU memory of `cfg` on `cluster` for `model`; raises `ConfigError` for an impossible layout."""
+    p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
+    world = cluster.world_size
+    validate_world(cfg, world)  # the config's own messages for layout / world mismatches
+    dp = world // (p.tp * p.pp * p.cp)
+    shape = {
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_key_value_heads,
+        "num_hidden_layers": model.num_layers,
+    }
+    validate_model_shape(cfg, shape)  # heads, query groups and layers: the config's own messages
+    check_tensor_parallel(model, p.tp, "parallel.tp")  # adds the FFN split
+    gpu = cluster.gpu_memory_bytes
+    reserve = reserve_gib * GIB
+    longest = r.max_prompt_length + r.max_response_length
+    # Per rank, as the actor plans micro-batches: under CP a rank computes 1/CP of each sequence's tokens.
+    budget = t.max_tokens_per_micro_batch or math.ceil(t.micro_batch_size * longest / p.cp)
+    sp = p.sequence_parallel and p.tp > 1
+    shards = dp * p.cp if p.use_distributed_optimizer else 1
+    reference_built = cfg.algorithm.kl.use_kl_loss
+    param_bytes = dtype_bytes(cfg.model.dtype)
+
+    # Rollout engine.
+    rollout_weights = rollout_weight_parameters(model, r.tp) * 2.0
+    kv_per_token = kv_cache_bytes_per_token(model, r.tp)
+    pool = r.gpu_memory_utilization * gpu
+    batched_tokens, num_seqs = vllm_batch_defaults(cluster.gpu_memory_gib, cluster.gpu)
+    activation = vllm_activation_peak(model, r.tp, batched_tokens, num_seqs)
+    in_pool = r.engine != "sglang"  # vLLM subtracts it from its pool; SGLang's static fraction excludes it
+    engine_in_pool = rollout_weights + (activation if in_pool else 0.0)
+    kv_cache = max(0.0, pool - engine_in_pool)
+    engines = world // r.tp
+    sequences_per_engine = math.ceil(t.gen_batch_size * r.n / engines)
+    results = result_buffer_bytes(sequences_per_engine, r.n, r.max_prompt_length, r.max_response_length)
+    beside_pool = results + (0.0 if in_pool else activation)  # allocated while the pool is awake
+    engine_in_training = not r.free_cache_engine
+
+    stages = []
+    for stage in range(p.pp):
+        params = stage_parameters(model, p.tp, p.pp, stage)
+        with_dist = actor_memory(params, cfg.model.dtype, dp * p.cp)
+        plain = actor_memory(params, cfg.model.dtype, 1)
+        actor = actor_memory(params, cfg.model.dtype, shards)
+        reference = params * param_bytes if reference_built else 0.0
+        common = dict(
+            vpp=p.vpp,
+            cp=p.cp,
+            sequence_parallel=sp,
+            temperature=r.temperature,
+            fused_swiglu=cfg.model.transformer_engine != "off",  # Megatron fuses it only with TE on GPU
+        )
+        none = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=False, **common)
+        full = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=True, **common)
+        chosen = full if cfg.model.recompute_activations else none
+        static = actor.total + reference + reserve + (pool if engine_in_training else 0.0)
+
+        def largest(act: StageActivation) -> int:
+            return max(0, math.floor((gpu - static - act.fixed) / act.per_token))
+
+        at_budget = chosen.fixed + chosen.per_token * budget
+        stages.append(
+            StageMemory(
+                stage=stage,
+                parameters=params,
+                actor=actor,
+                actor_distributed_optimizer=with_dist,
+                actor_plain_optimizer=plain,
+                reference=reference,
+                activation_per_token=chosen.per_token,
+                activation_per_token_no_recompute=none.per_token,
+                activation_per_token_full_recompute=full.per_token,
+                activation_fixed=chosen.fixed,
+                activation_at_budget=at_budget,
+                training_total=static + at_budget,
+                max_tokens=largest(chosen),
+                max_tokens_no_recompute=largest(none),
+                max_tokens_full_recompute=largest(full),
+            )
+        )
+    binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
+    bucket = r.weight_sync_bucket_mb * 2**20
+    offloaded = [kind for kind in OFFLOAD_KINDS if getattr(cfg.actor, f"offload_{kind}")]
+
+    def kept(stage: StageMemory, away: list[str]) -> float:
+        """What `stage` keeps on the GPU while generating when `away` is offloaded."""
+        parts = actor_parts(stage.actor)
+        return stage.reference + sum(parts[kind] for kind in OFFLOAD_KINDS if kind not in away)
+
+    actor_kept = max(kept(s, offloaded) for s in stages)
+    at_sync = max(kept(s, [k for k in offloaded if k != "params"]) for s in stages)  # the push reads the params
+    engine_at_sync = rollout_weights if r.free_cache_engine else pool
+    generation_total = actor_kept + pool + beside_pool + reserve
+    sync_total = at_sync + engine_at_sync + bucket + reserve
+
+    def largest_utilization(away: list[str]) -> float:
+        room = gpu - max(kept(s, away) for s in stages) - beside_pool - reserve
+        if not r.free_cache_engine:  # the pool is there during the sync too
+            room = min(room, gpu - max(kept(s, [k for k in away if k != "params"]) for s in stages) - bucket - reserve)
+        return max(0.0, room / gpu)
+
+    def full_sequences(pool_bytes: float) -> int:
+        return int(max(0.0, pool_bytes - engine_in_pool) // (kv_per_token * longest))
+
+    max_utilization = largest_utilization(offloaded)
+    # Offloaded grads are dropped, not copied (their values are dead between updates): no host memory.
+    host_per_gpu = max(sum(actor_parts(s.actor)[k] for k in offloaded if k != "grads") for s in stages)
+    if r.free_cache_engine and (r.engine == "embedded" or (r.engine == "vllm" and r.sleep_level == 1)):
+        host_per_gpu += rollout_weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
+    rollout = RolloutMemory(
+        tp=r.tp,
+        engines=engines,
+        weights=rollout_weights,
+        kv_bytes_per_token=kv_per_token,
+        pool=pool,
+        activation_peak=activation,
+        activation_in_pool=in_pool,
+        max_num_batched_tokens=batched_tokens,
+        max_num_seqs=num_seqs,
+        kv_cache=kv_cache,
+        result_buffers=results,
+        full_sequence_tokens=longest,
+        concurrent_full_sequences=full_sequences(pool),
+        generation_sequences_per_engine=sequences_per_engine,
+        offloaded=offloaded,
+        actor_kept=actor_kept,
+        generation_total=generation_total,
+        sync_total=sync_total,
+        phase_total=max(generation_total, sync_total),
+        max_gpu_memory_utilization=max_utilization,
+        max_gpu_memory_utilization_resident=largest_utilization([]),
+        max_gpu_memory_utilization_offloaded=largest_utilization(list(OFFLOAD_KINDS)),
+        concurrent_full_sequences_at_max=full_sequences(max_utilization * gpu),
+        host_per_gpu=host_per_gpu,
+        host_per_node=host_per_gpu * cluster.gpus_per_node,
+    )
+    rollout_total = rollout.phase_total
+
+    notes = []
+    if not p.use_distributed_optimizer:
+        notes.append("parallel.use_distributed_optimizer=false: every rank keeps all optimizer state")
+    if pool <= engine_in_pool:
+        notes.append(
+            "the rollout pool cannot even hold the engine weights and vLLM's profiled activations: raise "
+            "rollout.gpu_memory_utilization or rollout.tp"
+        )
+    if rollout.concurrent_full_sequences < 1:
+        notes.append("the KV pool holds no full-length sequence: raise rollout.gpu_memory_utilization or rollout.tp")
+    if r.engine == "embedded":
+        notes.append("rollout.engine=embedded has no memory pool: the rollout figures are those of a vLLM engine")
+    if r.engine == "sglang":
+        notes.append(
+            "rollout.engine=sglang: its activations live outside mem_fraction_static (counted next to the pool, "
+            "with vLLM's estimate of them)"
+        )
+    if cfg.model.transformer_engine == "off":
+        notes.append(
+            "model.transformer_engine=off: the local layer spec runs right-padded rows (no packing), so a "
+            "micro-batch's tokens count its padding (rows x longest row); SwiGLU counted unfused"
+        )
+    # At a fixed world size, TP and PP the actor state per GPU does not depend on CP (the distributed
+    # optimizer shards over DP x CP, a constant), so the longest sequence grows exactly with CP.
+    longest_per_micro_batch = binding.max_tokens * p.cp
+    wanted = math.ceil(longest / binding.max_tokens) if binding.max_tokens > 0 else None
+    cp_choices = [c for c in range(1, world // (p.tp * p.pp) + 1) if (world // (p.tp * p.pp)) % c == 0]
+    cp_needed = next((c for c in cp_choices if wanted is not None and c >= wanted), None)
+    if longest_per_micro_batch < longest:
+        remedy = f"set parallel.cp >= {cp_needed} (context parallelism), " if cp_needed else ""
+        notes.append(
+            f"one full-length sequence ({longest} tokens) does not fit a micro-batch ({longest_per_micro_batch} "
+            f"tokens at CP={p.cp}): {remedy}enable model.recompute_activations, sequence parallelism, or raise "
+            "parallel.tp / parallel.pp"
+        )
+    return MemoryPlan(
+        model_name=model_name,
+        architecture=model.architecture,
+        hf_parameters=hf_parameter_count(model),
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        world_size=world,
+        gpu_memory=gpu,
+        gpu=cluster.gpu,
+        reserve=reserve,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        dp=dp,
+        sequence_parallel=sp,
+        distributed_optimizer=p.use_distributed_optimizer,
+        recompute=cfg.model.recompute_activations,
+        dtype=cfg.model.dtype,
+        reference_built=reference_built,
+        engine_pool_during_training=engine_in_training,
+        micro_batch_tokens=budget,
+        longest_sequence=longest,
+        stages=stages,
+        binding_stage=binding.stage,
+        rollout=rollout,
+        max_tokens_per_micro_batch=binding.max_tokens,
+        longest_sequence_per_micro_batch=longest_per_micro_batch,
+        min_cp_for_longest_sequence=cp_needed,
+        training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
+        rollout_fits=rollout_total <= gpu and rollout.concurrent_full_sequences >= 1,
+        notes=notes,
+    )
+

@@ -1,0 +1,67 @@
+"""SIGTERM (SLURM preemption, a time limit): every rank stops at the same point and leaves a checkpoint.
+
+The signal handler only sets a flag. The ranks look at it together (`SigtermFlag.asked`, a
+collective) where they are in step: after each generation batch (they have just met in the gather
+of its results), before the update, and after the step.
+
+* Before the update the actor has not changed: the checkpoint is the state at the step's start (the
+  previous step, with the prompt sampler and RNGs put back by `StepStart.restore`), and the resumed
+  run redoes the step with the same prompts and seeds.
+* After the step the step is finished (weight sync, metrics) and saved.
+
+Either way the process exits with code 143 (`TrainingInterrupted`).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_dapo.distributed.objects import any_rank
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was asked to stop and left a checkpoint
+
+
+class TrainingInterrupted(SystemExit):
+    """Raised after the checkpoint written on SIGTERM (exit code 143)."""
+
+
+class SigtermFlag:
+    """Remembers a SIGTERM while installed (``with flag:``, the training loop's duration)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = None
+
+    def __enter__(self) -> "SigtermFlag":
+        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def asked(self) -> bool:
+        """Did any rank receive SIGTERM? A collective on the default group: call it only where every
+        rank is in step, never while an engine may still be generating (that wait belongs to the
+        gather group, `rollout.gather_timeout_s`)."""
+        return any_rank(self.received)
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What a stop before the update puts back: the prompt sampler's and the RNGs' state at the step's start."""
+
+    sampler: dict
+    rng: dict
+
+    @classmethod
+    def capture(cls, sampler) -> "StepStart":
+        return cls(sampler=sampler.state_dict(), rng=capture_rng_state())
+
+    def restore(self, sampler) -> None:
+        sampler.load_state_dict(self.sampler)
+        restore_rng_state(self.rng)

@@ -1,0 +1,171 @@
+"""The plan (plan/phases.py): what each phase of the step holds, the largest budget and pool, offload,
+context parallelism, the engine's pool and result buffers, and the config's own layout messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dapo import plan as mp
+from megatron_dapo.config import ConfigError
+from tests.plan.conftest import OFFLOAD_ALL, known, plan_for
+
+
+def test_largest_budget_is_the_boundary():
+    plan = plan_for(["parallel.tp=4", "parallel.sequence_parallel=true"])
+    gpu = plan.gpu_memory
+    for stage in plan.stages:
+        static = stage.actor.total + stage.reference + plan.reserve
+
+        def total(tokens):
+            return static + stage.activation_fixed + stage.activation_per_token * tokens
+
+        assert total(stage.max_tokens) <= gpu < total(stage.max_tokens + 1)
+    assert plan.max_tokens_per_micro_batch == min(s.max_tokens for s in plan.stages)
+
+
+def test_context_parallelism_holds_cp_times_longer_sequences():
+    """The per-rank budget does not depend on CP; a micro-batch holds CP x that; the plan names the CP needed."""
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "model.recompute_activations=false",
+            "rollout.max_prompt_length=2048", "rollout.max_response_length=20480"]  # fmt: skip
+    plans = {cp: plan_for([*base, f"parallel.cp={cp}"], model="qwen2.5-32b", nodes=4) for cp in (1, 2, 4)}
+    budget = plans[1].max_tokens_per_micro_batch
+    assert 0 < budget < 22528  # without recompute one 22.5k-token sequence does not fit at CP=1
+    for cp, plan in plans.items():
+        assert plan.max_tokens_per_micro_batch == budget  # actor state per GPU is the same at any CP
+        assert plan.longest_sequence_per_micro_batch == budget * cp
+        wanted = -(-22528 // budget)
+        assert plan.min_cp_for_longest_sequence == min(c for c in (1, 2, 4, 8) if c >= wanted)  # divisors of 32 / 4
+        assert not plan.training_fits
+        assert f"set parallel.cp >= {plan.min_cp_for_longest_sequence}" in plan.notes[-1]
+    enough = plan_for([*base, f"parallel.cp={plans[1].min_cp_for_longest_sequence}"], model="qwen2.5-32b", nodes=4)
+    assert enough.longest_sequence_per_micro_batch >= 22528 and enough.training_fits
+    assert "CP >= " in mp.format_plan(enough)
+
+
+def test_plan_accounts_for_recompute_reference_and_pool():
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "trainer.max_tokens_per_micro_batch=32768"]
+    plain = plan_for(base)
+    recompute = plan_for(base + ["model.recompute_activations=true"])
+    assert recompute.max_tokens_per_micro_batch == plain.stages[0].max_tokens_full_recompute
+    assert recompute.max_tokens_per_micro_batch > 4 * plain.max_tokens_per_micro_batch
+    with_kl = plan_for(base + ["algorithm.kl.use_kl_loss=true"])
+    assert with_kl.stages[0].reference == 2 * with_kl.stages[0].parameters
+    assert with_kl.rollout.phase_total - plain.rollout.phase_total == pytest.approx(with_kl.stages[0].reference)
+    awake = plan_for(base + ["rollout.free_cache_engine=false"])
+    assert awake.stages[0].training_total - plain.stages[0].training_total == pytest.approx(plain.rollout.pool)
+    plain_optimizer = plan_for(base + ["parallel.use_distributed_optimizer=false"])
+    assert plain_optimizer.stages[0].actor.total == plain.stages[0].actor_plain_optimizer.total
+
+
+def test_offload_frees_the_actor_state_for_the_engine_pool():
+    """What each moment of the step holds with and without actor offload (see the module doc)."""
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "rollout.tp=2", "rollout.engine=vllm", "rollout.sleep_level=2"]
+    resident, offloaded = plan_for(base), plan_for(base + OFFLOAD_ALL)
+    gpu, reserve, bucket = resident.gpu_memory, resident.reserve, 512 * 2**20
+    actor = resident.stages[0].actor
+    r, o = resident.rollout, offloaded.rollout
+    results = r.result_buffers  # the gathered rollouts, next to the awake pool
+    assert results == o.result_buffers > 0
+    # Resident: the whole actor next to the pool while generating; at the sync the KV cache sleeps.
+    assert r.offloaded == [] and r.actor_kept == actor.total
+    assert r.generation_total == pytest.approx(actor.total + r.pool + results + reserve)
+    assert r.sync_total == pytest.approx(actor.total + r.weights + bucket + reserve)
+    assert r.max_gpu_memory_utilization == pytest.approx((gpu - actor.total - results - reserve) / gpu)
+    assert r.host_per_gpu == 0  # level 2: the sleeping engine keeps nothing in host memory
+    # Offloaded: nothing of the actor while generating, only its params during the sync.
+    assert o.offloaded == ["params", "grads", "optimizer"] and o.actor_kept == 0
+    assert o.generation_total == pytest.approx(o.pool + results + reserve)
+    assert o.sync_total == pytest.approx(actor.params + o.weights + bucket + reserve)
+    assert o.max_gpu_memory_utilization == o.max_gpu_memory_utilization_offloaded == pytest.approx(
+        (gpu - results - reserve) / gpu
+    )
+    assert o.max_gpu_memory_utilization_resident == pytest.approx(r.max_gpu_memory_utilization)
+    # grads are dropped, not copied: host memory holds params and optimizer state only
+    host = actor.total - actor.grads
+    assert o.host_per_gpu == pytest.approx(host) and o.host_per_node == pytest.approx(8 * host)
+    # Training needs the whole actor either way; the same utilisation gives the same pool.
+    assert offloaded.stages[0].training_total == resident.stages[0].training_total
+    assert o.concurrent_full_sequences == r.concurrent_full_sequences
+    # The larger pool that offload allows holds more full-length sequences.
+    per_sequence = o.kv_bytes_per_token * o.full_sequence_tokens
+    in_pool = o.weights + o.activation_peak  # vLLM: its profiled activations come out of the pool too
+    assert o.concurrent_full_sequences_at_max == int((o.max_gpu_memory_utilization * gpu - in_pool) // per_sequence)
+    assert o.concurrent_full_sequences_at_max > r.concurrent_full_sequences_at_max
+
+
+def test_partial_offload_keeps_the_rest_and_level_one_keeps_engine_weights_on_the_host():
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "rollout.tp=2", "rollout.engine=vllm"]
+    plan = plan_for(base + ["actor.offload_optimizer=true"])  # sleep level 1 (the default): vLLM keeps its weights on the host
+    actor, r = plan.stages[0].actor, plan.rollout
+    assert r.offloaded == ["optimizer"]
+    assert r.actor_kept == pytest.approx(actor.params + actor.grads)
+    assert r.sync_total == pytest.approx(actor.params + actor.grads + r.weights + 512 * 2**20 + plan.reserve)
+    assert r.host_per_gpu == pytest.approx(actor.main_params + actor.optimizer + r.weights)
+    # An engine that never sleeps keeps its pool through the sync: the bucket must fit next to it.
+    awake = plan_for(base + OFFLOAD_ALL + ["rollout.free_cache_engine=false"]).rollout
+    assert awake.sync_total == pytest.approx(actor.params + awake.pool + 512 * 2**20 + plan.reserve)
+    room = plan.gpu_memory - actor.params - 512 * 2**20 - plan.reserve
+    assert awake.max_gpu_memory_utilization == pytest.approx(room / plan.gpu_memory)
+    assert awake.host_per_gpu == pytest.approx(actor.total - actor.grads)  # nothing sleeps: no engine weights on the host
+    assert plan_for(base + ["rollout.engine=sglang"]).rollout.host_per_gpu == 0  # SGLang drops them at any level
+
+
+def test_plan_without_transformer_engine_counts_the_unfused_swiglu():
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true"]
+    fused, unfused = plan_for(base), plan_for(base + ["model.transformer_engine='off'"])  # quoted: YAML reads off as false
+    model = known("qwen2.5-7b")
+    extra = model.num_layers * 2 * model.ffn_hidden_size / 4
+    assert unfused.stages[0].activation_per_token == pytest.approx(fused.stages[0].activation_per_token + extra)
+    assert any("transformer_engine=off" in note for note in unfused.notes)
+
+
+def test_plan_pipeline_binding_stage():
+    plan = plan_for(["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], model="qwen2.5-32b", nodes=4)
+    assert len(plan.stages) == 2
+    # Stage 0 holds two micro-batches in flight, the last stage one plus the logits.
+    s0, s1 = plan.stages
+    assert s0.activation_per_token_no_recompute > s1.activation_per_token_no_recompute
+    assert plan.binding_stage == min(plan.stages, key=lambda s: s.max_tokens).stage
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.tp=8"], "'parallel.tp'=8 does not divide the model's num_attention_heads=28: use parallel.tp in {1, 2, 4, 7, 14, 28}"),
+        (["parallel.tp=7", "rollout.tp=7"], "'parallel.tp'=7 does not divide the model's num_key_value_heads=4"),
+        (["parallel.pp=8"], "num_hidden_layers=28 is not divisible by parallel.pp x parallel.vpp = 8"),
+        (["rollout.tp=8"], "'rollout.tp'=8 does not divide the model's num_attention_heads=28"),
+        (["parallel.tp=2", "parallel.pp=3"], "world size 16 is not divisible by parallel.tp x parallel.pp x parallel.cp"),
+    ],
+)
+def test_plan_errors_reuse_config_messages(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        plan_for(overrides, nodes=1, gpus_per_node=14 if "parallel.tp=7" in overrides else 16)
+    assert message in str(error.value)
+
+
+def test_kv_cache_is_the_pool_minus_weights_and_vllm_activations():
+    plan = plan_for(["parallel.tp=4", "rollout.tp=2", "rollout.engine=vllm"])
+    r = plan.rollout
+    assert (r.max_num_batched_tokens, r.max_num_seqs) == (16384, 1024) and r.activation_in_pool
+    assert r.activation_peak == mp.vllm_activation_peak(known("qwen2.5-7b"), 2, 16384, 1024)
+    assert r.kv_cache == pytest.approx(r.pool - r.weights - r.activation_peak)
+    assert r.concurrent_full_sequences == int(r.kv_cache // (r.kv_bytes_per_token * r.full_sequence_tokens))
+    # SGLang's static fraction holds weights and KV only: the activations are next to the pool.
+    sglang = plan_for(["parallel.tp=4", "rollout.tp=2", "rollout.engine=sglang"])
+    g = sglang.rollout
+    assert not g.activation_in_pool and g.kv_cache == pytest.approx(g.pool - g.weights)
+    assert g.generation_total - r.generation_total == pytest.approx(r.activation_peak)
+    assert any("sglang" in note for note in sglang.notes)
+
+
+def test_result_buffers_are_two_engines_of_gathered_rollouts():
+    """`experience.pack_samples`: 8 bytes per response token, 4 per prompt token; a rank holds the buffer
+    it receives and the previous one (tensor_gather.share_from_contributors)."""
+    plan = plan_for(["parallel.tp=4", "rollout.tp=2", "trainer.gen_batch_size=64", "trainer.train_batch_size=64", "rollout.n=16",
+                     "rollout.max_prompt_length=1024", "rollout.max_response_length=8192"])  # fmt: skip
+    r = plan.rollout
+    assert r.engines == 8 and r.generation_sequences_per_engine == 64 * 16 // 8
+    one_engine = 128 * 8192 * 8 + 8 * 1024 * 4  # 128 responses of 8 prompts
+    assert r.result_buffers == 2 * one_engine
+    assert r.generation_total == pytest.approx(r.actor_kept + r.pool + r.result_buffers + plan.reserve)
