@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from torch.autograd.function import BackwardCFunction
 
 __all__ = ["enable_cpu_compat", "cpu_compat_enabled", "CudaToCpuMode"]
@@ -258,8 +259,6 @@ def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: boo
 
 
 def _patch_megatron_moe() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
     if not hasattr(moe_utils, "te_general_gemm"):  # TE's GEMM, defined only when TE imports
         moe_utils.te_general_gemm = None
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
