@@ -34,6 +34,7 @@ from megatron_dapo.distributed.layout import (
     check_rollout_tp,
     check_sizes,
     check_world_size,
+    validate_expert_parallel,
 )
 from megatron_dapo.errors import InputError
 from megatron_dapo.rollout.placement import PlacementError, check_sync_mode, resolve_placement
@@ -96,6 +97,11 @@ class ParallelConfig:
     the CP a sequence length needs."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside TP groups."""
+    ep: int = 1
+    """Expert-parallel size of mixture-of-experts models: each MoE layer's experts are split over `ep`
+    ranks (E / ep each), which exchange tokens with an all-to-all, so a model whose experts do not fit
+    one GPU's memory trains without splitting every expert by TP. Must divide the number of experts
+    and DP x CP. 1 (default): every rank holds all experts, the only value for dense models."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     dp: Optional[int] = field(default=None, metadata={"derived": True})
@@ -602,6 +608,7 @@ def validate(cfg: Config) -> None:
     p, r, a, t, o = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.trainer, cfg.optimizer
     with _config_errors():
         check_sizes(p.tp, p.pp, p.cp, p.vpp, r.tp)
+        validate_expert_parallel(p.ep)
 
     _require(r.n >= 1, f"'rollout.n' must be >= 1, got {r.n}")
     _require(r.temperature > 0, f"'rollout.temperature' must be > 0, got {r.temperature}")
@@ -755,6 +762,8 @@ def validate_model_shape(cfg: Config, hf_config: dict) -> None:
             num_query_groups=int(hf_config.get("num_key_value_heads", heads) or heads),
             num_layers=int(hf_config.get("num_hidden_layers", 0) or 0),
         )
+        experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+        validate_expert_parallel(cfg.parallel.ep, num_experts=experts, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def validate_world(cfg: Config, world_size: int) -> int:
@@ -763,6 +772,7 @@ def validate_world(cfg: Config, world_size: int) -> int:
     p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
     with _config_errors():
         dp = check_world_size(world_size, p.tp, p.pp, p.cp)
+        validate_expert_parallel(p.ep, world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp)
         check_rollout_tp(world_size, r.tp)
         check_batch_split(
             dp,

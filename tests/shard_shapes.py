@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
-SHARD_SHAPE = dict(hidden=16, heads=8, groups=4, head_dim=4, ffn=24, vocab=300)
+SHARD_SHAPE = dict(hidden=16, heads=8, groups=4, head_dim=4, ffn=24, vocab=300, experts=2)
 
 
 def hf_tensor(name: str, g: torch.Generator) -> torch.Tensor:
-    """A random full HF tensor for `name` in a small GQA model (SHARD_SHAPE)."""
+    """A random full HF tensor for `name` in a small GQA model (SHARD_SHAPE), dense or mixture of experts."""
     s = SHARD_SHAPE
     q_rows, kv_rows = s["heads"] * s["head_dim"], s["groups"] * s["head_dim"]
     sizes = {
+        "shared_expert_gate.weight": (1, s["hidden"]),
+        "mlp.gate.weight": (s["experts"], s["hidden"]),  # the MoE router
         "embed_tokens.weight": (s["vocab"], s["hidden"]),
         "lm_head.weight": (s["vocab"], s["hidden"]),
         "q_proj.weight": (q_rows, s["hidden"]),

@@ -229,3 +229,28 @@ def test_skipped_model_checks_say_why(tmp_path):
     assert "does not exist here" in skipped_model_checks(load_config(None, [f"model.hf_dir={tmp_path / 'nope'}"]))
     assert "has no config.json" in skipped_model_checks(load_config(None, [f"model.hf_dir={tmp_path}"]))
     assert skipped_model_checks(load_config(None, [f"model.hf_dir={_model_dir(tmp_path)}"])) is None
+
+
+def test_expert_parallel_rules_are_config_errors(tmp_path):
+    """`parallel.ep` against the model's experts at load and against the world at `resolve_world`
+    (`distributed.layout`'s expert-parallel rules, their messages tested there)."""
+    dense = _model_dir(tmp_path)
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "intermediate_size": 256, "head_dim": 16,
+                    "max_position_embeddings": 1024, "vocab_size": 1000, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32})  # fmt: skip
+    )
+    with pytest.raises(ConfigError, match="parallel.ep=0 must be a positive integer"):
+        load_config(None, ["parallel.ep=0"])
+    with pytest.raises(ConfigError, match="parallel.ep=2 needs a mixture-of-experts model"):
+        load_config(None, [f"model.hf_dir={dense}", "parallel.ep=2"])
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 does not divide the model's num_experts=8: use parallel.ep in \{1, 2, 4, 8\}"):
+        load_config(None, [f"model.hf_dir={moe}", "parallel.ep=3"])
+    with pytest.raises(ConfigError, match="needs sequence parallelism"):
+        load_config(None, [f"model.hf_dir={moe}", "parallel.tp=2"])
+    cfg = load_config(None, [f"model.hf_dir={moe}", "parallel.ep=4", "trainer.ppo_mini_batch_size=2", "rollout.n=2"])
+    with pytest.raises(ConfigError, match="parallel.ep must divide DP x CP = 2"):
+        cfg.resolve_world(2)
+    assert cfg.resolve_world(4).parallel.dp == 4 and cfg.parallel.ep == 4

@@ -63,20 +63,30 @@ def tiny_config(arch: str):
     return cfg
 
 
-MOE_ARCHS = ("qwen3_moe",)
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
 """Mixture-of-experts models, kept out of ARCHS (the dense tests iterate over ARCHS)."""
 
 
 def tiny_moe_config(arch: str = "qwen3_moe"):
-    """A tiny Qwen3-MoE: 4 experts, 2 routed per token, every layer sparse (2 layers, ~0.2 M parameters)."""
-    from transformers import Qwen3MoeConfig
+    """A tiny mixture of experts: 4 experts, 2 routed per token, every layer sparse (2 layers, ~0.2 M parameters).
 
-    if arch != "qwen3_moe":
-        raise ValueError(f"unknown tiny MoE architecture {arch!r}; have {MOE_ARCHS}")
+    "qwen3_moe": Qwen3-MoE (q/k norm, head_dim 32 != hidden/heads, top-k weights renormalised);
+    "qwen2_moe": Qwen2-MoE (QKV biases, a sigmoid-gated shared expert of another width, top-k weights
+    not renormalised), so that each router variant and the shared expert's rows matter.
+    """
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+
     common = {**_COMMON, "num_hidden_layers": 2}
-    cfg = Qwen3MoeConfig(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)  # fmt: skip
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, **moe, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False, norm_topk_prob=True)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    elif arch == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, **moe, rope_theta=10000.0, tie_word_embeddings=False, norm_topk_prob=False,
+                             shared_expert_intermediate_size=48, qkv_bias=True)  # fmt: skip
+        cfg.architectures = ["Qwen2MoeForCausalLM"]
+    else:
+        raise ValueError(f"unknown tiny MoE architecture {arch!r}; have {MOE_ARCHS}")
     return cfg
 
 

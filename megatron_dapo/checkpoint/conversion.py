@@ -6,8 +6,9 @@
 HF -> Megatron writes a Megatron distributed checkpoint (torch_dist) of the model alone, in the
 directory format `megatron_dapo.checkpoint` loads (metadata.json + dist/ + hf/ with the config and
 tokenizer files). Distributed checkpoints store every tensor with its global shape, so one process
-writes full tensors and Megatron loads them at any TP / PP / VPP / DP: `--tp/--pp/--vpp` are
-checked against the model (heads, query groups, layers) and recorded, nothing more. The keys,
+writes full tensors and Megatron loads them at any TP / PP / VPP / DP / EP: `--tp/--pp/--vpp/--ep`
+are checked against the model (heads, query groups, layers, experts) and recorded, nothing more. A mixture of experts stores each layer's experts stacked along an
+expert axis by global id, which each expert-parallel rank slices its own experts from. The keys,
 shapes and chunks are the ones Megatron's own `GPTModel.sharded_state_dict()` asks for at TP=1
 (`checkpoint.template`), and the tensors are the HF tensors passed through the same mapping table
 the trainer loads with (`model.mapping`), so HF -> Megatron -> HF is bit-exact.
@@ -58,6 +59,7 @@ from megatron_dapo.checkpoint.streaming import ChunkTargets, LazyChunk, LazyChun
 from megatron_dapo.checkpoint.template import checkpoint_template
 from megatron_dapo.checkpoint.torch_dist import stored_entries
 from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+from megatron_dapo.distributed.layout import experts_per_rank
 from megatron_dapo.errors import InputError, StopError
 from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.builder import build_gpt_models, check_against_hf
@@ -280,10 +282,11 @@ def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
         return handle.get_tensor(name)
 
 
-def _validate_layout(cfg, tp: int, pp: int, vpp: Optional[int]):
+def _validate_layout(cfg, tp: int, pp: int, vpp: Optional[int], ep: int = 1):
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
     try:
         layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+        experts_per_rank(cfg.num_experts, ep)
     except ValueError as error:  # the layout's rule, said about this model and these flags
         raise ConversionError(str(error)) from None
     return layout
@@ -297,6 +300,7 @@ def convert_hf_to_megatron(
     vpp: Optional[int] = None,
     dtype: Optional[str] = None,
     *,
+    ep: int = 1,
     overwrite: bool = False,
     verify_logits: bool = False,
     verify_tol: float = 1e-4,
@@ -304,7 +308,7 @@ def convert_hf_to_megatron(
 ) -> ConversionReport:
     """Write the HF model in `hf_dir` as a Megatron distributed checkpoint in `output` (see module doc).
 
-    `tp/pp/vpp`: the layout it is meant for (validated against the model and recorded; the
+    `tp/pp/vpp/ep`: the layout it is meant for (validated against the model and recorded; the
     checkpoint loads at any layout). `dtype`: cast the weights (default: keep the HF dtype).
     `verify_logits`: afterwards load the checkpoint into Megatron and HF (float32, whole model in
     memory) and compare every block's output; raises ConversionError at the first divergence.
@@ -312,7 +316,7 @@ def convert_hf_to_megatron(
     start = time.monotonic()
     hf_dir, output = Path(hf_dir), Path(output)
     cfg = _check_hf_dir(hf_dir)
-    layout = _validate_layout(cfg, tp, pp, vpp)
+    layout = _validate_layout(cfg, tp, pp, vpp, ep)
     check_weight_files(hf_dir)  # a truncated or overwritten shard is named now, not after half the layers
     reader = HFWeightReader(hf_dir)
     out_dtype = _torch_dtype(dtype) or _stored_hf_dtype(reader)
@@ -394,7 +398,7 @@ def convert_hf_to_megatron(
             0,
             contents={"model": True, "optimizer": None, "optimizer_sharding": None, "scheduler": False,
                       "rng": False, "trainer_state": False, "hf_files": True},
-            layout={"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": 1, "dp": None, "world_size": None},
+            layout={"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": 1, "ep": ep, "dp": None, "world_size": None},
             model={"num_chunks": layout.vpp_size, "dtype": str(out_dtype).replace("torch.", ""),
                    "hf_config": json.loads((hf_dir / "config.json").read_text())},
             converted_from={"hf_dir": str(hf_dir.resolve()), "parameters": totals["tensors"]},

@@ -20,9 +20,10 @@ Convert a HuggingFace model directory (config.json + safetensors + tokenizer fil
 distributed checkpoint that `megatron-dapo train` loads (model.megatron_checkpoint=OUTPUT).
 
 Runs as one plain process on a CPU machine and streams: memory stays around one layer whatever the
-model size. The checkpoint stores global tensors, so it loads at ANY tensor / pipeline / data
-parallel layout; --tp/--pp/--vpp are checked against the model (heads, KV heads, layers) and recorded.
-Supported: Qwen2, Qwen2.5, Llama (incl. Llama 3 RoPE scaling), Qwen3 dense models.
+model size. The checkpoint stores global tensors, so it loads at ANY tensor / pipeline / data /
+expert parallel layout; --tp/--pp/--vpp/--ep are checked against the model (heads, KV heads, layers,
+experts) and recorded. Supported: Qwen2, Qwen2.5, Llama (incl. Llama 3 RoPE scaling), Qwen3 dense
+models; Qwen3-MoE and Qwen2-MoE mixtures of experts.
 """
 
 MEGATRON_TO_HF_DESCRIPTION = """\
@@ -40,6 +41,7 @@ def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to validate for (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to validate for (default 1)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (needs --pp > 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size to validate for (MoE models; default 1)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights to this dtype (default: keep the HF dtype)")
     parser.add_argument("--overwrite", action="store_true", help="empty a non-empty --output first")
     parser.add_argument("--verify-logits", action="store_true",
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.direction == "hf-to-megatron":
         report = convert_hf_to_megatron(
-            args.hf_dir, args.output, args.tp, args.pp, args.vpp, args.dtype, overwrite=args.overwrite,
+            args.hf_dir, args.output, args.tp, args.pp, args.vpp, args.dtype, ep=args.ep, overwrite=args.overwrite,
             verify_logits=args.verify_logits, verify_tol=args.verify_tol, progress=not args.no_progress,
         )  # fmt: skip
     else:

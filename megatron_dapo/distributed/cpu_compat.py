@@ -31,6 +31,14 @@ The patches, each kept to what our code paths reach:
    That is the faithful emulation, because on the CPU the ops that draw random numbers (dropout,
    init) use the CPU generator: `get_cuda_rng_tracker().fork()` then really switches streams, and
    `model_parallel_cuda_manual_seed` works. (Our models use dropout 0 anyway.)
+4. Mixture-of-experts layers without Transformer Engine (`_patch_megatron_moe`):
+   - the router's `RouterGatingLinearFunction` tests `te_general_gemm is not None`, a name
+     `moe_utils` defines only when TE imports: without TE every router forward is a NameError.
+     It is set to None, the value that selects the plain `torch.mm` path written for that case.
+   - the alltoall token dispatcher moves its split sizes (tokens sent to / received from each
+     expert-parallel rank) to the host with `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which
+     converts CUDA tensors only; a CPU tensor stays a tensor and reaches `all_to_all_single`, which
+     takes a list of ints. CPU tensors get the conversion GPU tensors get (a NumPy array).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ def enable_cpu_compat() -> bool:
             return True
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_megatron_moe()
         _patch_autograd_function_backward()
         _mode = CudaToCpuMode()
         _mode.__enter__()  # stays on the mode stack for the life of the process
@@ -235,3 +244,24 @@ def _patch_megatron_rng() -> None:
 
     mcore_random._get_cuda_rng_state = _get_cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Mixture-of-experts layers without Transformer Engine
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """`moe_utils.maybe_move_tensor_to_cpu` for a machine without CUDA: CPU tensors also become NumPy
+    arrays when asked (`as_numpy`), as CUDA tensors do on GPUs."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_megatron_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # see _patch_megatron_rng
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # TE's GEMM, defined only when TE imports
+        moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host

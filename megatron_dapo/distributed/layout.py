@@ -22,14 +22,22 @@ from typing import Any, Optional
 from megatron_dapo.errors import InputError
 
 __all__ = [
+    "EXPERT_DISPATCHERS",
+    "ExpertParallelError",
     "LayoutError",
     "ParallelLayout",
     "check_batch_split",
+    "check_expert_dispatcher",
     "check_model_shape",
+    "check_moe_sequence_parallel",
     "check_rollout_tp",
     "check_sizes",
     "check_world_size",
     "divisors",
+    "expert_data_parallel_size",
+    "expert_groups",
+    "experts_per_rank",
+    "validate_expert_parallel",
 ]
 
 
@@ -322,3 +330,129 @@ class ParallelLayout:
                 f"into {chunks} chunks; CP rank r holds chunks r and {chunks - 1}-r (Megatron's load-balanced layout)"
             )
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism (mixture-of-experts models)
+# ---------------------------------------------------------------------------------------------
+#
+# `parallel.ep` ranks share one MoE layer's experts (E / EP each); attention and the other dense
+# parameters stay split by TP / CP and replicated over DP. Megatron lays the experts over the same
+# ranks in a second grid, "tp-ep-dp-pp" with the expert-TP size equal to TP (its default, which we
+# keep): expert-TP ranks adjacent, EP next, expert-DP = world / (TP x EP x PP), then the pipeline
+# stages (the same stages as the dense grid). `parallel_state.initialize_model_parallel` requires
+# world % (TP x EP x PP) == 0, i.e. EP divides DP x CP: the expert grid of one pipeline stage must
+# tile its DP x TP x CP ranks.
+
+EXPERT_DISPATCHERS = ("alltoall", "allgather")
+"""Megatron's token dispatchers that run without extra kernels ("flex" needs DeepEP / HybridEP)."""
+
+
+class ExpertParallelError(LayoutError):
+    """An expert-parallel layout that does not fit the model or the launch; the message names the key and the fix."""
+
+
+def experts_per_rank(num_experts: int, ep: int) -> int:
+    """Experts each expert-parallel rank holds: num_experts / ep (ExpertParallelError unless it divides)."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ExpertParallelError(f"parallel.ep={ep!r} must be a positive integer")
+    if num_experts < 1:
+        if ep > 1:
+            raise ExpertParallelError(
+                f"parallel.ep={ep} needs a mixture-of-experts model (the model has no experts): set parallel.ep=1"
+            )
+        return 0
+    if num_experts % ep != 0:
+        raise ExpertParallelError(
+            f"parallel.ep={ep} does not divide the model's num_experts={num_experts}: "
+            f"use parallel.ep in {_set(divisors(num_experts))}"
+        )
+    return num_experts // ep
+
+
+def expert_data_parallel_size(world_size: int, ep: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """Replicas of each expert: world / (TP x EP x PP), after checking that EP x TP tiles the
+    DP x TP x CP ranks of a pipeline stage (Megatron's rule, see above)."""
+    experts_per_rank(max(ep, 1), ep)  # ep itself is a positive integer
+    if world_size < 1 or world_size % (tp * pp * cp) != 0:
+        raise ExpertParallelError(
+            f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = {tp * pp * cp}"
+        )
+    stage = world_size // pp  # DP x TP x CP ranks of one pipeline stage
+    if stage % (ep * tp) != 0:
+        dp_cp = stage // tp
+        raise ExpertParallelError(
+            f"parallel.ep x parallel.tp = {ep} x {tp} = {ep * tp} does not divide the {stage} ranks of a pipeline stage "
+            f"(DP x TP x CP = {stage // (tp * cp)} x {tp} x {cp}): parallel.ep must divide DP x CP = {dp_cp}, "
+            f"use parallel.ep in {_set(divisors(dp_cp))} or launch a multiple of {ep * tp * pp} processes"
+        )
+    return world_size // (tp * ep * pp)
+
+
+def check_expert_dispatcher(dispatcher: str, pp: int = 1) -> None:
+    """The MoE token dispatcher runs here and with this pipeline size.
+
+    Megatron's allgather dispatcher refuses variable sequence lengths, which pipeline-parallel
+    training needs (micro-batch shapes vary: `actor.optim.prepare_transformer_config`).
+    """
+    if dispatcher not in EXPERT_DISPATCHERS:
+        raise ExpertParallelError(f"MoE token dispatcher {dispatcher!r} is not supported: use one of {', '.join(EXPERT_DISPATCHERS)}")
+    if dispatcher == "allgather" and pp > 1:
+        raise ExpertParallelError(
+            f"the allgather MoE token dispatcher does not take the varying micro-batch shapes of parallel.pp={pp}: "
+            "use the alltoall dispatcher"
+        )
+
+
+def check_moe_sequence_parallel(tp: int, sequence_parallel: bool) -> None:
+    """MoE training with TP > 1 needs sequence parallelism: Megatron's MoE layer refuses to train
+    without it (each TP rank would route and dispatch every token of the sequence again)."""
+    if tp > 1 and not sequence_parallel:
+        raise ExpertParallelError(
+            f"training a mixture-of-experts model at parallel.tp={tp} needs sequence parallelism: "
+            "set parallel.sequence_parallel=true"
+        )
+
+
+def validate_expert_parallel(
+    ep: int,
+    *,
+    num_experts: Optional[int] = None,
+    world_size: Optional[int] = None,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    dispatcher: Optional[str] = None,
+    sequence_parallel: Optional[bool] = None,
+) -> None:
+    """Every expert-parallel rule that the given facts allow to check (None: not known yet).
+
+    At launch the world size is known, once the HF config is read the number of experts (0 for a
+    dense model, which then needs parallel.ep=1); `sequence_parallel` is checked for training an
+    MoE model.
+    """
+    experts_per_rank(num_experts if num_experts is not None else ep, ep)
+    if world_size is not None:
+        expert_data_parallel_size(world_size, ep, tp, pp, cp)
+    if dispatcher is not None:
+        check_expert_dispatcher(dispatcher, pp)
+    if sequence_parallel is not None and num_experts:
+        check_moe_sequence_parallel(tp, sequence_parallel)
+
+
+def expert_groups(layout: "ParallelLayout", ep: int, kind: str) -> list[list[int]]:
+    """Megatron's expert process groups of a resolved layout: "ep" (ranks sharing a layer's experts),
+    "expert_tp" (ranks splitting each expert, = TP ranks) or "expert_dp" (replicas of an expert),
+    each a sorted rank list, in the "tp-ep-dp-pp" order of the expert grid."""
+    if kind not in ("ep", "expert_tp", "expert_dp"):
+        raise ValueError(f"unknown expert group kind {kind!r}")
+    if layout.world_size is None:
+        raise ValueError("groups need the world size: call resolve(world_size) first")
+    tp, pp = layout.tp, layout.pp
+    edp = expert_data_parallel_size(layout.world_size, ep, tp, pp, layout.cp)
+    seen: dict[tuple, list[int]] = {}
+    for rank in range(layout.world_size):
+        coords = {"expert_tp": rank % tp, "ep": (rank // tp) % ep, "expert_dp": (rank // (tp * ep)) % edp, "pp": rank // (tp * ep * edp)}
+        key = tuple(v for k, v in coords.items() if k != kind)
+        seen.setdefault(key, []).append(rank)
+    return sorted(seen.values())

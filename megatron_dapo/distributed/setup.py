@@ -40,7 +40,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
 from megatron_dapo.distributed.launch import LaunchEnv, find_free_port, resolve_launch_env
-from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.distributed.layout import ParallelLayout, validate_expert_parallel
 
 __all__ = [
     "DistributedContext",
@@ -103,6 +103,8 @@ class DistributedContext:
     backend: str
     device: torch.device
     cpu_compat: bool
+    ep: int = 1
+    """Expert-parallel size (`parallel.ep`; 1 for dense models)."""
 
     @property
     def rank(self) -> int:
@@ -121,7 +123,8 @@ def init_distributed(
 ) -> DistributedContext:
     """Initialise torch.distributed and Megatron's model-parallel state for this process.
 
-    `parallel_cfg` is anything with tp/pp/vpp/cp attributes (`config.ParallelConfig`, `ParallelLayout`).
+    `parallel_cfg` is anything with tp/pp/vpp/cp attributes (`config.ParallelConfig`, `ParallelLayout`),
+    and optionally `ep`, the expert-parallel size of mixture-of-experts models (default 1).
     `timeout_s` bounds every collective (a rank that never arrives fails the job instead of hanging),
     except on the gather group (`gather_group()`), which is created here with `gather_timeout_s`.
     Seeds Python, NumPy and torch with `seed + 100 * pp_rank` (Megatron's convention) and Megatron's
@@ -134,6 +137,8 @@ def init_distributed(
 
     launch = resolve_launch_env(env)
     layout = ParallelLayout.from_config(parallel_cfg).resolve(launch.world_size)
+    ep = int(getattr(parallel_cfg, "ep", 1) or 1)
+    validate_expert_parallel(ep, world_size=launch.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp)
 
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -169,6 +174,7 @@ def init_distributed(
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.megatron_vpp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=ep,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
 
@@ -183,7 +189,7 @@ def init_distributed(
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
 
-    return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat)
+    return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat, ep=ep)
 
 def teardown(keep_process_group: bool = False) -> None:
     """Destroy Megatron's model-parallel groups and the default process group (safe to call twice).

@@ -288,6 +288,15 @@ MEGATRON_CORE = Requirement(
         # distributed/cpu_compat.py replaces these two on CPU.
         Probe("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
         Probe("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+        # distributed/cpu_compat.py sets / replaces these for MoE layers on CPU; model/load.py places experts.
+        Probe("megatron.core.transformer.moe", "moe_utils"),
+        Probe("megatron.core.transformer.moe", "token_dispatcher"),
+        Probe("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction"),
+        Probe("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
+        Probe(
+            "megatron.core.parallel_state",
+            fields=tuple(f"get_expert_{kind}_parallel_{what}" for kind in ("model", "tensor") for what in ("group", "rank", "world_size")),
+        ),
         *(
             Probe("megatron.core.tensor_parallel.layers", name)
             for name in ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "set_tensor_model_parallel_attributes")

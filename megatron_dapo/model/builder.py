@@ -16,6 +16,16 @@ reroutes its `device="cuda"` mask to the CPU). For explicit masks with the local
 `causal_attention_mask(seq_len)` (True = masked, shape [1, 1, s, s]); `attention_mask_for` returns
 what a forward helper should pass for a given model.
 
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE). Every layer is an MoE layer: a top-k softmax router
+(`moe_router_pre_softmax` = not `norm_topk_prob`: HF renormalises the top-k weights exactly when
+Megatron takes the softmax over the top-k logits), SwiGLU experts of `moe_intermediate_size`, and
+for Qwen2-MoE a sigmoid-gated shared expert. The experts are TE's grouped GEMM (`TEGroupedMLP`)
+with the TE spec and Megatron's sequential experts (`SequentialMLP`) with the local spec; the
+expert-parallel size comes from Megatron's parallel state (`distributed.setup.init_distributed`),
+the token dispatcher (`alltoall` or `allgather`) from the caller. The load-balancing loss is
+Megatron's "aux_loss" with the coefficient the model was trained with (HF `router_aux_loss_coef`);
+it acts only in training forwards with gradients.
+
 RoPE. Plain RoPE matches HF by construction. For Llama 3 scaling, Megatron's built-in scaling
 hard-codes low/high frequency factors 1/4 and an original context of 8192; we compute the inverse
 frequencies from the config's own parameters (`rope_inv_freq`, same formula as HF) and set them on
@@ -38,7 +48,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dapo.distributed.layout import ParallelLayout
+from megatron_dapo.distributed.layout import ParallelLayout, check_expert_dispatcher, experts_per_rank
 from megatron_dapo.model.gpu_kernels import (
     KernelStatus,
     TransformerEngineUnavailable,
@@ -70,6 +80,7 @@ __all__ = [
 ]
 
 TEMode = Literal["auto", "on", "off"]
+MoEDispatcher = Literal["alltoall", "allgather"]  # distributed.layout.EXPERT_DISPATCHERS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,11 +191,16 @@ def build_transformer_config(
     init_weights: bool = True,
     recompute_activations: bool = False,
     gradient_accumulation_fusion: bool = False,
+    expert_parallel: int = 1,
+    moe_token_dispatcher: MoEDispatcher = "alltoall",
+    moe_aux_loss_coeff: Optional[float] = None,
 ):
     """The Megatron `TransformerConfig` equivalent to the HF model, for this layout and dtype.
 
     `gradient_accumulation_fusion` (apex's fused weight-gradient GEMM into DDP's ``main_grad``; see
     `gpu_kernels.gradient_options`) is fixed when the layers are built, not when DDP wraps them.
+    MoE models: `expert_parallel` (Megatron's `expert_model_parallel_size`), the token dispatcher,
+    and the load-balancing loss coefficient (None: the model's `router_aux_loss_coef`).
     """
     layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     on_gpu = torch.cuda.is_available()
@@ -226,6 +242,10 @@ def build_transformer_config(
     )
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    experts_per_rank(cfg.num_experts, expert_parallel)  # divides; a dense model needs parallel.ep=1
+    if cfg.is_moe:
+        check_expert_dispatcher(moe_token_dispatcher, layout.pp)
+        kwargs.update(_moe_kwargs(cfg, use_te, expert_parallel, moe_token_dispatcher, moe_aux_loss_coeff))
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     if "cuda_graph_scope" in fields:
         # The default "full" is deprecated (a UserWarning per config); an empty list is its equivalent.
@@ -233,6 +253,27 @@ def build_transformer_config(
     if "transformer_impl" in fields:  # tells Megatron which implementation the spec uses
         kwargs["transformer_impl"] = "transformer_engine" if use_te else "local"
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(
+    cfg: HFModelConfig, use_te: bool, expert_parallel: int, dispatcher: str, aux_loss_coeff: Optional[float]
+) -> dict:
+    """The TransformerConfig fields of an MoE model (see the module docstring)."""
+    kwargs = dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=cfg.router_aux_loss_coef if aux_loss_coeff is None else float(aux_loss_coeff),
+        moe_grouped_gemm=use_te,  # TE's grouped GEMM; the local spec runs the experts one by one
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=expert_parallel,
+    )
+    if cfg.shared_expert_ffn_hidden_size is not None:
+        kwargs.update(moe_shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, moe_shared_expert_gate=True)
+    return kwargs
 
 
 def _layer_spec(cfg: HFModelConfig, use_te: bool, attention: Literal["sdpa", "megatron"] = "sdpa"):
@@ -244,14 +285,31 @@ def _layer_spec(cfg: HFModelConfig, use_te: bool, attention: Literal["sdpa", "me
     """
     if attention not in ("sdpa", "megatron"):
         raise ValueError(f"attention must be 'sdpa' or 'megatron', got {attention!r}")
+    num_experts = cfg.num_experts or None
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=cfg.qk_norm
+        )
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    if num_experts is not None:
+        spec = _moe_norm_checkpoint_key(spec)
     spec = with_sequence_parallel_norms(spec)  # Megatron's torch norm refuses sequence parallelism
     if attention == "sdpa":
         spec = with_sdpa_core_attention(spec)
     return spec
+
+
+def _moe_norm_checkpoint_key(spec):
+    """The local MoE layer spec with its pre-MLP norm stored under its own checkpoint key.
+
+    The local spec renames `pre_mlp_layernorm.` to `mlp.linear_fc1.layer_norm_` in checkpoints, the
+    key of TE's fused dense MLP, so that dense checkpoints load under both specs. An MoE layer has no
+    `linear_fc1` and TE's MoE spec keeps `pre_mlp_layernorm.weight`; without the rename the local
+    spec writes that key too, and a checkpoint converted or trained on the CPU loads on TE GPUs.
+    """
+    keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
 
 
 def build_gpt_models(
@@ -265,6 +323,8 @@ def build_gpt_models(
     recompute_activations: bool = False,
     attention: Literal["sdpa", "megatron"] = "sdpa",
     gradient_accumulation_fusion: Optional[bool] = None,
+    moe_token_dispatcher: MoEDispatcher = "alltoall",
+    moe_aux_loss_coeff: Optional[float] = None,
 ) -> list[torch.nn.Module]:
     """This rank's `GPTModel` chunks (one per virtual-pipeline stage, in order).
 
@@ -274,6 +334,8 @@ def build_gpt_models(
     `gradient_accumulation_fusion`: None decides from the machine (on with CUDA and apex's fused
     weight-gradient GEMM, `gpu_kernels.gradient_options`); a model built with it on must be trained
     through Megatron DDP (`actor.optim.prepare_for_training`), which provides ``main_grad``.
+    MoE models take the expert-parallel size from Megatron's parallel state and `moe_token_dispatcher`
+    / `moe_aux_loss_coeff` as `build_transformer_config` does.
     """
     actual = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
     if actual != (layout.tp, layout.pp):
@@ -298,6 +360,9 @@ def build_gpt_models(
         init_weights=init_weights,
         recompute_activations=recompute_activations,
         gradient_accumulation_fusion=fusion,
+        expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
+        moe_token_dispatcher=moe_token_dispatcher,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
     )
     if layout.cp > 1 and not use_te and attention != "sdpa":
         # Megatron's own DotProductAttention refuses CP; the SDPA core attention all-gathers K/V over CP.
@@ -393,7 +458,8 @@ def check_against_hf(models: list[torch.nn.Module], cfg: HFModelConfig) -> list[
 
     Returns the list of checks that passed (for logs). Checks: sizes (hidden, heads, query groups,
     head dim, FFN, layers, vocabulary and its padding), norm type and epsilon, activation, biases,
-    q/k norm, tied embeddings, RoPE base and scaling (as the exact inverse frequencies).
+    q/k norm, tied embeddings, RoPE base and scaling (as the exact inverse frequencies); for MoE models
+    the experts, top-k, expert width, router normalisation and shared expert.
     """
     if not models:
         raise ValueError("no model chunks to check")
@@ -414,7 +480,18 @@ def check_against_hf(models: list[torch.nn.Module], cfg: HFModelConfig) -> list[
         ("add_bias_linear", config.add_bias_linear, False),
         ("add_qkv_bias", config.add_qkv_bias, cfg.qkv_bias),
         ("qk_layernorm", config.qk_layernorm, cfg.qk_norm),
+        ("num_moe_experts (num_experts)", config.num_moe_experts, cfg.num_experts or None),
     ]
+    if cfg.is_moe:
+        checks += [
+            ("moe_router_topk (num_experts_per_tok)", config.moe_router_topk, cfg.num_experts_per_tok),
+            ("moe_ffn_hidden_size (moe_intermediate_size)", config.moe_ffn_hidden_size, cfg.moe_ffn_hidden_size),
+            ("moe_router_score_function", config.moe_router_score_function, "softmax"),
+            ("moe_router_pre_softmax (not norm_topk_prob)", config.moe_router_pre_softmax, not cfg.norm_topk_prob),
+            ("moe_shared_expert_intermediate_size (shared_expert_intermediate_size)",
+             config.moe_shared_expert_intermediate_size, cfg.shared_expert_ffn_hidden_size),
+            ("moe_shared_expert_gate", config.moe_shared_expert_gate, cfg.shared_expert_ffn_hidden_size is not None),
+        ]  # fmt: skip
     expected_inv_freq = rope_inv_freq(cfg)
     for index, model in enumerate(models):
         checks += [

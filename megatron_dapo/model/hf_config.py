@@ -2,10 +2,14 @@
 
 Supported: Qwen2ForCausalLM (QKV bias), LlamaForCausalLM (plain RoPE or Llama 3 `rope_type: llama3`
 scaling), Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim may differ from hidden / heads), each with
-or without tied embeddings and with grouped-query attention. Everything else is refused here with
-the name of the feature, so that an unsupported model fails at start instead of training silently
-wrong: other architectures, sliding-window attention, rope types other than default/llama3,
-activations other than SiLU, attention or MLP biases on Llama/Qwen3, partial rotary, dropout.
+or without tied embeddings and with grouped-query attention; and the mixtures of experts
+Qwen3MoeForCausalLM (Qwen3 attention, every layer a top-k softmax router over `num_experts` SwiGLU
+experts) and Qwen2MoeForCausalLM (Qwen2 attention, routed experts plus a sigmoid-gated shared
+expert). Everything else is refused here with the name of the feature, so that an unsupported model
+fails at start instead of training silently wrong: other architectures, sliding-window attention,
+rope types other than default/llama3, activations other than SiLU, attention or MLP biases on
+Llama/Qwen3, partial rotary, dropout, and MoE models with dense layers among the sparse ones
+(`decoder_sparse_step` > 1 or `mlp_only_layers`: the mapping tables hold one layer kind per model).
 
 transformers 5.x writes the RoPE settings as `rope_parameters` (with `rope_theta` inside), older
 versions as top-level `rope_theta` + `rope_scaling` (with `type` or `rope_type`); both are read.
@@ -26,11 +30,13 @@ __all__ = [
     "ModelFileError",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedModelError",
+    "MOE_ARCHITECTURES",
     "load_config_json",
     "read_hf_config",
 ]
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM") + MOE_ARCHITECTURES
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -66,10 +72,27 @@ class HFModelConfig:
     hidden_act: str = "silu"
     torch_dtype: Optional[str] = None
     """The dtype the checkpoint was saved in, if the config says."""
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model (every layer of an MoE model is sparse)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top-k)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """One expert's SwiGLU width (`moe_intermediate_size`)."""
+    norm_topk_prob: bool = True
+    """True: the top-k routing weights are renormalised to sum to 1 (softmax over the top-k logits);
+    False: they are the softmax over all experts, kept as they are."""
+    router_aux_loss_coef: float = 0.0
+    """The load-balancing loss coefficient the model was trained with (HF `router_aux_loss_coef`)."""
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    """Width of the sigmoid-gated shared expert every token also goes through (Qwen2-MoE); None if none."""
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _load(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict[str, Any]:
@@ -181,15 +204,16 @@ def read_hf_config(source: Union[str, os.PathLike, Mapping[str, Any]]) -> HFMode
     for key in ("attention_dropout", "hidden_dropout"):
         if float(raw.get(key) or 0.0) != 0.0:
             raise _refuse(arch, f"{key}={raw[key]} is not supported (dropout must be 0)")
-    if raw.get("num_experts") or raw.get("num_local_experts"):
-        raise _refuse(arch, "mixture-of-experts layers are not supported")
+    moe = _moe_settings(raw, arch)
 
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        if raw.get("qkv_bias") is False:
+            raise _refuse(arch, "qkv_bias=false is not supported (Qwen2 attention has q/k/v biases)")
         qkv_bias, qk_norm = True, False  # Qwen2 always has q/k/v biases and no o_proj bias
     else:
         if raw.get("attention_bias"):
             raise _refuse(arch, "attention_bias=true (biases on q/k/v/o projections) is not supported")
-        qkv_bias, qk_norm = False, arch == "Qwen3ForCausalLM"
+        qkv_bias, qk_norm = False, arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if raw.get("mlp_bias"):
         raise _refuse(arch, "mlp_bias=true is not supported")
 
@@ -212,4 +236,52 @@ def read_hf_config(source: Union[str, os.PathLike, Mapping[str, Any]]) -> HFMode
         qk_norm=qk_norm,
         hidden_act=act,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        **moe,
     )
+
+
+def _moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The HFModelConfig fields of a mixture of experts ({} for a dense architecture).
+
+    transformers writes the expert count as `num_local_experts` (5.x) or `num_experts` (published
+    Qwen configs); both are read. Every layer must be sparse: `decoder_sparse_step` 1 and no
+    `mlp_only_layers`, which is how every published Qwen3-MoE and Qwen2-MoE is configured.
+    """
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if arch not in MOE_ARCHITECTURES:
+        if experts:
+            raise _refuse(arch, f"mixture-of-experts layers (num_experts={experts}) are not supported for this architecture")
+        return {}
+
+    def need(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise _refuse(arch, f"config.json needs a positive integer '{key}', has {value!r}")
+        return value
+
+    if not experts:
+        raise _refuse(arch, "config.json has no 'num_experts' (or 'num_local_experts')")
+    experts = int(experts)
+    topk = need("num_experts_per_tok")
+    if topk > experts:
+        raise _refuse(arch, f"num_experts_per_tok={topk} exceeds num_experts={experts}")
+    step = raw.get("decoder_sparse_step", 1)
+    if step not in (None, 1):
+        raise _refuse(
+            arch, f"decoder_sparse_step={step} (dense MLP layers between the MoE layers) is not supported: every layer must be MoE"
+        )
+    dense_layers = raw.get("mlp_only_layers") or []
+    if dense_layers:
+        raise _refuse(arch, f"mlp_only_layers={list(dense_layers)} (dense MLP layers in an MoE model) are not supported")
+    shared = None
+    if arch == "Qwen2MoeForCausalLM":
+        shared = need("shared_expert_intermediate_size")
+    default_norm = arch == "Qwen3MoeForCausalLM"  # the transformers defaults of each config class
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": topk,
+        "moe_ffn_hidden_size": need("moe_intermediate_size"),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", default_norm)),
+        "router_aux_loss_coef": float(raw.get("router_aux_loss_coef") or 0.0),
+        "shared_expert_ffn_hidden_size": shared,
+    }

@@ -11,17 +11,22 @@ its query groups of q/k/v, its rows of gate and up, its columns of o_proj / down
 the vocabulary. The mapping row's own transform then fuses and pads those parts exactly as it does
 whole tensors, so a rank reads about 1/TP of the stage's bytes (norms, replicated, are read whole).
 Every parameter of the model must be written, or loading fails naming the ones that were not.
+Mixture-of-experts layers: a rank loads the experts of its expert-parallel rank (global experts
+ep_rank * E/EP ... under their local ids) and splits them over the expert-tensor-parallel group.
 
 Exporting: the mapping table's order (embedding, layers 0..L-1, final norm, output layer) is walked
 on every rank; the owning pipeline stage all-gathers the TP shards of one parameter, turns them
 into full HF tensors (vocabulary padding removed), and broadcasts them to the other stages, so
-every rank yields the same (hf_name, full tensor) sequence, one parameter at a time. It is a
-collective: all ranks of the model-parallel group must consume the iterator to the end.
+every rank yields the same (hf_name, full tensor) sequence, one parameter at a time. An expert's
+tensors are gathered over the expert-tensor-parallel group on the expert-parallel rank that holds the
+expert and broadcast over the expert-parallel group first. It is a collective: all ranks of the
+model-parallel and expert-parallel groups must consume the iterator to the end.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -40,6 +45,7 @@ from megatron_dapo.model.mapping import (
     Map,
     MappingTable,
     ModelShape,
+    expert_location,
     global_layer_index,
     layer_location,
 )
@@ -119,12 +125,34 @@ def read_rank_shard(
     return row.to_megatron_shard(parts, 0, 1, part_shape)
 
 
-def _parallel_ranks() -> tuple[int, int, int, int]:
-    return (
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_world_size(),
+@dataclass(frozen=True)
+class _Ranks:
+    """This rank's place in Megatron's parallel state."""
+
+    tp_rank: int
+    tp: int
+    pp_rank: int
+    pp: int
+    ep_rank: int = 0
+    ep: int = 1
+    expert_tp_rank: int = 0
+    expert_tp: int = 1
+
+    def tensor_parallel(self, row: Map) -> tuple[int, int]:
+        """(rank, size) of the group `row` is split over: expert-TP for experts, else TP."""
+        return (self.expert_tp_rank, self.expert_tp) if row.per_expert else (self.tp_rank, self.tp)
+
+
+def _parallel_ranks() -> _Ranks:
+    return _Ranks(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        expert_tp_rank=ps.get_expert_tensor_parallel_rank(),
+        expert_tp=ps.get_expert_tensor_parallel_world_size(),
     )
 
 
@@ -146,18 +174,27 @@ def _expected_global_rows(model: torch.nn.Module, table: MappingTable) -> list[M
     return rows
 
 
-def _chunk_items(model, chunk: int, table: MappingTable, num_layers: int, pp_rank: int, pp: int, vpp):
+def _local_expert(row: Map, table: MappingTable, ranks: _Ranks) -> tuple[int, Optional[int]]:
+    """(expert-parallel rank holding the row, its local expert id); (any rank, None) for non-expert rows."""
+    if not row.per_expert:
+        return ranks.ep_rank, None
+    return expert_location(row.expert, table.num_experts, ranks.ep)
+
+
+def _chunk_items(model, chunk: int, table: MappingTable, num_layers: int, ranks: _Ranks, vpp):
     """(row, global layer or None, Megatron name) for every parameter this chunk holds."""
     spec = layer_spec_of(model)
-    per_chunk = num_layers // (pp * (vpp or 1))
+    per_chunk = num_layers // (ranks.pp * (vpp or 1))
     if len(model.decoder.layers) != per_chunk:
         raise ValueError(f"model chunk {chunk} has {len(model.decoder.layers)} layers, expected {per_chunk}")
     for row in _expected_global_rows(model, table):
         yield row, None, row.megatron_name(spec)
     for local in range(per_chunk):
-        layer = global_layer_index(pp_rank, chunk, local, num_layers, pp, vpp)
+        layer = global_layer_index(ranks.pp_rank, chunk, local, num_layers, ranks.pp, vpp)
         for row in table.layer_rows:
-            yield row, layer, row.megatron_name(spec, local)
+            ep_rank, local_expert = _local_expert(row, table, ranks)
+            if ep_rank == ranks.ep_rank:
+                yield row, layer, row.megatron_name(spec, local, local_expert)
 
 
 @torch.no_grad()
@@ -180,21 +217,22 @@ def load_hf_into_megatron(
     models = [unwrap_model(m) for m in models]
     cfg = hf_config or read_hf_config(hf_dir)
     table = mapping_for(cfg)
-    tp_rank, tp, pp_rank, pp = _parallel_ranks()
+    ranks = _parallel_ranks()
     vpp = _vpp(models)
-    shape = ModelShape.from_hf(cfg, tp)
+    shape = ModelShape.from_hf(cfg, ranks.tp)
     written = 0
     with reader if reader is not None else HFWeightReader(hf_dir) as reader:
         for chunk, model in enumerate(models):
             params = dict(model.named_parameters())
             covered = set()
-            for row, layer, name in _chunk_items(model, chunk, table, cfg.num_layers, pp_rank, pp, vpp):
+            for row, layer, name in _chunk_items(model, chunk, table, cfg.num_layers, ranks, vpp):
                 if name not in params:
                     raise KeyError(f"model chunk {chunk} has no parameter {name!r} (mapping row {row.megatron})")
                 hf_names = row.hf_names(layer)
                 missing = [n for n in hf_names if n not in reader]
                 if missing:
                     raise KeyError(f"checkpoint {hf_dir} lacks {missing} (needed for {name})")
+                tp_rank, tp = ranks.tensor_parallel(row)
                 if sliced:
                     shard = read_rank_shard(reader, row, hf_names, tp_rank, tp, shape)
                 else:
@@ -248,26 +286,36 @@ def export_megatron_to_hf(
     models = [unwrap_model(m) for m in models]
     cfg = hf_config
     table = mapping_for(cfg)
-    tp_rank, tp, pp_rank, pp = _parallel_ranks()
+    ranks = _parallel_ranks()
+    pp, pp_rank = ranks.pp, ranks.pp_rank
     vpp = _vpp(models)
-    shape = ModelShape.from_hf(cfg, tp)
+    shape = ModelShape.from_hf(cfg, ranks.tp)
     tp_group = ps.get_tensor_model_parallel_group()
+    expert_tp_group = ps.get_expert_tensor_parallel_group() if table.num_experts else None
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else None
+    ep_group = ps.get_expert_model_parallel_group() if ranks.ep > 1 else None
+    ep_ranks = dist.get_process_group_ranks(ep_group) if ep_group is not None else None
     specs = [layer_spec_of(m) for m in models]
     params = [dict(m.named_parameters()) for m in models]
     items = list(table.ordered(cfg.num_layers))
 
     def local_param(index: int) -> torch.Tensor:
+        """The row's parameter on this rank; for an expert held by another EP rank, the local expert
+        with the same local id (same shape), which describes the tensors to receive."""
         row, layer = items[index]
         _, chunk, local = _owner(row, layer, cfg.num_layers, pp, vpp)
-        return params[chunk][row.megatron_name(specs[chunk], local)]
+        _, local_expert = _local_expert(row, table, ranks)
+        return params[chunk][row.megatron_name(specs[chunk], local, local_expert)]
+
+    def tp_size_of(row: Map) -> int:
+        return ranks.tensor_parallel(row)[1]
 
     meta: dict[int, list] = {}
     if pp > 1:
         # Each stage describes the tensors it owns; one exchange tells every stage what to receive.
         mine = {
-            i: _hf_meta(items[i][0], local_param(i), shape, tp)
+            i: _hf_meta(items[i][0], local_param(i), shape, tp_size_of(items[i][0]))
             for i in range(len(items))
             if _owner(*items[i], cfg.num_layers, pp, vpp)[0] == pp_rank
         }
@@ -278,11 +326,20 @@ def export_megatron_to_hf(
 
     for index, (row, layer) in enumerate(items):
         owner_stage = _owner(row, layer, cfg.num_layers, pp, vpp)[0]
+        owner_ep = _local_expert(row, table, ranks)[0]
         names = row.hf_names(layer)
         if owner_stage == pp_rank:
             param = local_param(index)
-            tensors = row.to_hf(_gather_tp(param, row, tp, tp_group), shape)
             device = param.device
+            if owner_ep == ranks.ep_rank:
+                group = expert_tp_group if row.per_expert else tp_group
+                tensors = row.to_hf(_gather_tp(param, row, tp_size_of(row), group), shape)
+            else:
+                tensors = tuple(torch.empty(s, dtype=d, device=device) for s, d in _hf_meta(row, param, shape, tp_size_of(row)))
+            if row.per_expert and ep_group is not None:
+                tensors = tuple(t.contiguous() for t in tensors)
+                for t in tensors:
+                    dist.broadcast(t, src=ep_ranks[owner_ep], group=ep_group)
         else:
             device = next(iter(params[0].values())).device
             tensors = tuple(torch.empty(s, dtype=d, device=device) for s, d in meta[index])

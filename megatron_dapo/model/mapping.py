@@ -26,10 +26,22 @@ both names (`megatron`, `megatron_te`).
 Layer numbering: HF names use the global layer index; Megatron names use the index inside one
 model chunk. `layer_location` / `global_layer_index` convert, following Megatron's even split
 (chunk v of pipeline rank p holds layers v * L/vpp + p * L/(pp*vpp) ... + L/(pp*vpp) - 1).
+
+Experts (mixture-of-experts layers). A row whose names contain "{e}" is one expert's parameter:
+HF names carry the global expert id (`mlp.experts.{e}.gate_proj.weight`), Megatron names the id
+among the experts of this expert-parallel rank (`mlp.experts.local_experts.{e}.linear_fc1.weight`
+with the local spec's sequential experts, `mlp.experts.linear_fc1.weight{e}` with TE's grouped
+GEMM). Under expert parallelism EP rank r holds the global experts r * E/EP ... (r+1) * E/EP - 1
+(`expert_location` / `global_expert_index`). A table is resolved for a model's expert count
+(`MappingTable.rows` holds one bound row per expert, `Map.expert`); an expert's rows are adjacent,
+so a consumer walking the table meets each expert's fused fc1 and its fc2 together. Expert rows are
+split over the expert-tensor-parallel group (Megatron's `expert_tensor_parallel_size`), the other
+rows over the tensor-parallel group; the transforms are the dense ones (GATE_UP, TP_SPLIT).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -48,6 +60,9 @@ __all__ = [
     "TP_SPLIT",
     "Transform",
     "VOCAB_PAD",
+    "expand_experts",
+    "expert_location",
+    "global_expert_index",
     "global_layer_index",
     "layer_location",
     "padded_vocab_size",
@@ -242,7 +257,9 @@ class Map:
     """One Megatron parameter and the HF tensor(s) it is made of.
 
     Names containing "{i}" are per decoder layer: `{i}` is the global layer index in HF names and
-    the index inside the model chunk in Megatron names.
+    the index inside the model chunk in Megatron names. Names containing "{e}" are per expert: `{e}`
+    is the global expert id in HF names and the id among this expert-parallel rank's experts in
+    Megatron names; a table resolved for a model binds such a row to one expert (`expert`).
     """
 
     hf: tuple[str, ...]
@@ -253,28 +270,61 @@ class Map:
     """The name under the Transformer Engine layer spec, when it differs."""
     untied_only: bool = False
     """Present only when input and output embeddings are not tied (the output layer)."""
+    expert: Optional[int] = None
+    """The global expert this row is bound to (per-expert rows of a resolved table), else None."""
 
     def __post_init__(self) -> None:
         if len(self.hf) != self.transform.num_hf:
             raise ValueError(f"{self.transform} takes {self.transform.num_hf} HF tensors, row {self.megatron} lists {len(self.hf)}")
-        per_layer = ["{i}" in n for n in (*self.hf, self.megatron)]
-        if any(per_layer) and not all(per_layer):
-            raise ValueError(f"row {self.megatron}: '{{i}}' must appear in all names or none")
+        names = (*self.hf, self.megatron, *((self.megatron_te,) if self.megatron_te else ()))
+        for placeholder in ("{i}", "{e}"):
+            present = [placeholder in n for n in names]
+            if any(present) and not all(present):
+                raise ValueError(f"row {self.megatron}: '{placeholder}' must appear in all names or none")
+        if self.per_expert and not self.per_layer:
+            raise ValueError(f"row {self.megatron}: a per-expert row ('{{e}}') must be per layer ('{{i}}')")
+        if self.expert is not None and not self.per_expert:
+            raise ValueError(f"row {self.megatron} is not per expert and cannot be bound to expert {self.expert}")
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.megatron
 
-    def hf_names(self, layer: Optional[int] = None) -> tuple[str, ...]:
-        """HF names, for global layer `layer` if the row is per layer."""
-        return tuple(n.format(i=layer) for n in self.hf) if self.per_layer else self.hf
+    @property
+    def per_expert(self) -> bool:
+        """One expert's parameter: split over the expert-tensor-parallel group, placed by expert parallelism."""
+        return "{e}" in self.megatron
 
-    def megatron_name(self, spec: str = LOCAL_SPEC, local_layer: Optional[int] = None) -> str:
-        """Megatron name under `spec` ("local" or "te"), for chunk-local layer `local_layer`."""
+    def for_expert(self, expert: int) -> "Map":
+        """This per-expert row bound to global expert `expert`."""
+        if not self.per_expert:
+            raise ValueError(f"row {self.megatron} is not per expert")
+        return dataclasses.replace(self, expert=expert)
+
+    def _bound_expert(self, local_expert: Optional[int], side: str) -> dict:
+        if not self.per_expert:
+            return {}
+        expert = self.expert if local_expert is None else local_expert
+        if expert is None:
+            raise ValueError(f"row {self.megatron} is per expert: bind it (for_expert) or name the {side} expert")
+        return {"e": expert}
+
+    def hf_names(self, layer: Optional[int] = None) -> tuple[str, ...]:
+        """HF names, for global layer `layer` if the row is per layer (and the bound global expert)."""
+        if not self.per_layer:
+            return self.hf
+        return tuple(n.format(i=layer, **self._bound_expert(None, "global")) for n in self.hf)
+
+    def megatron_name(self, spec: str = LOCAL_SPEC, local_layer: Optional[int] = None, local_expert: Optional[int] = None) -> str:
+        """Megatron name under `spec` ("local" or "te"), for chunk-local layer `local_layer`.
+
+        Per-expert rows name `local_expert`, the expert's id on its expert-parallel rank; it defaults
+        to the bound global expert, which is the local id without expert parallelism.
+        """
         if spec not in (LOCAL_SPEC, TE_SPEC):
             raise ValueError(f"unknown layer spec {spec!r}")
         name = self.megatron_te if spec == TE_SPEC and self.megatron_te else self.megatron
-        return name.format(i=local_layer) if self.per_layer else name
+        return name.format(i=local_layer, **self._bound_expert(local_expert, "local")) if self.per_layer else name
 
     def to_megatron_shard(
         self, hf_tensors: Sequence[torch.Tensor], tp_rank: int, tp_size: int, shape: ModelShape
@@ -294,6 +344,13 @@ class MappingTable:
     architecture: str
     rows: tuple[Map, ...]
     tie_word_embeddings: bool
+    num_experts: int = 0
+    """Experts per MoE layer (0: dense); `rows` holds each per-expert template row bound to every expert."""
+
+    def __post_init__(self) -> None:
+        unbound = [r.megatron for r in self.rows if r.per_expert and r.expert is None]
+        if unbound:
+            raise ValueError(f"per-expert rows {unbound} must be bound to experts (`expand_experts`)")
 
     @property
     def global_rows(self) -> tuple[Map, ...]:
@@ -303,11 +360,16 @@ class MappingTable:
     def layer_rows(self) -> tuple[Map, ...]:
         return tuple(r for r in self.rows if r.per_layer)
 
-    def row_for_megatron(self, megatron_name_template: str) -> Map:
+    @property
+    def expert_rows(self) -> tuple[Map, ...]:
+        return tuple(r for r in self.rows if r.per_expert)
+
+    def row_for_megatron(self, megatron_name_template: str, expert: Optional[int] = None) -> Map:
+        """The row of a Megatron name template (per-expert rows: the one bound to global `expert`)."""
         for row in self.rows:
-            if megatron_name_template in (row.megatron, row.megatron_te):
+            if megatron_name_template in (row.megatron, row.megatron_te) and row.expert == expert:
                 return row
-        raise KeyError(megatron_name_template)
+        raise KeyError(megatron_name_template if expert is None else f"{megatron_name_template} (expert {expert})")
 
     def tied_output_row(self) -> Map:
         """The pipeline-last-stage copy of a tied embedding: `output_layer.weight` from the HF embedding.
@@ -333,6 +395,57 @@ class MappingTable:
     def hf_names(self, num_layers: int) -> list[str]:
         """Every HF tensor name the model has, in HF order."""
         return [name for row, layer in self.ordered(num_layers) for name in row.hf_names(layer)]
+
+
+def expand_experts(rows: Sequence[Map], num_experts: int) -> tuple[Map, ...]:
+    """`rows` with each run of per-expert template rows repeated for experts 0..num_experts-1.
+
+    Expert-major: expert 0's rows (e.g. fc1, fc2), then expert 1's, ..., so an expert's parameters
+    stay adjacent in the table's order.
+    """
+    out: list[Map] = []
+    run: list[Map] = []
+
+    def flush() -> None:
+        if run and num_experts < 1:
+            raise ValueError(f"per-expert rows {[r.megatron for r in run]} need num_experts >= 1, got {num_experts}")
+        out.extend(row.for_expert(e) for e in range(num_experts) for row in run)
+        run.clear()
+
+    for row in rows:
+        if row.per_expert:
+            run.append(row)
+        else:
+            flush()
+            out.append(row)
+    flush()
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert placement
+# ---------------------------------------------------------------------------------------------
+
+
+def _experts_per_rank(num_experts: int, ep: int) -> int:
+    if ep < 1 or num_experts % ep != 0:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over expert-parallel size {ep}")
+    return num_experts // ep
+
+
+def expert_location(global_expert: int, num_experts: int, ep: int = 1) -> tuple[int, int]:
+    """(expert-parallel rank, local expert id) of a global expert (Megatron's contiguous split)."""
+    if not 0 <= global_expert < num_experts:
+        raise ValueError(f"expert {global_expert} outside 0..{num_experts - 1}")
+    return divmod(global_expert, _experts_per_rank(num_experts, ep))
+
+
+def global_expert_index(ep_rank: int, local_expert: int, num_experts: int, ep: int = 1) -> int:
+    """Inverse of `expert_location`: ep_rank * experts_per_rank + local_expert."""
+    per_rank = _experts_per_rank(num_experts, ep)
+    if not 0 <= local_expert < per_rank or not 0 <= ep_rank < ep:
+        raise ValueError(f"local expert {local_expert} of EP rank {ep_rank} outside {ep} ranks x {per_rank} experts")
+    return ep_rank * per_rank + local_expert
 
 
 # ---------------------------------------------------------------------------------------------

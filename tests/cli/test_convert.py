@@ -34,7 +34,7 @@ def _help(capsys, entry, *argv: str) -> str:
 
 def test_help_explains_both_directions(capsys):
     forward = _help(capsys, _tool("convert_hf_to_megatron"))
-    for text in ("--hf-dir", "--tp", "--pp", "--vpp", "--overwrite", "--verify-logits", "ANY tensor"):
+    for text in ("--hf-dir", "--tp", "--pp", "--vpp", "--ep", "--overwrite", "--verify-logits", "ANY tensor"):
         assert text in forward
     backward = _help(capsys, _tool("convert_megatron_to_hf"))
     for text in ("--megatron-dir", "--max-shard-size", "--hf-config-dir", "latest complete"):
@@ -71,6 +71,7 @@ def not_a_model(tmp_path) -> Path:
         ("no_config", "no config.json in"),
         ("tp3", "'parallel.tp'=3 does not divide the model's num_attention_heads=4: use parallel.tp in {1, 2, 4}"),
         ("pp3", "the model's num_hidden_layers=4 is not divisible by parallel.pp x parallel.vpp = 3: use parallel.pp in {1, 2, 4}"),
+        ("ep2_dense", "parallel.ep=2 needs a mixture-of-experts model (the model has no experts): set parallel.ep=1"),
         ("non_empty_output", "is not empty: choose another one or pass --overwrite"),
         ("truncated_weights", "bytes but its header describes"),
     ],
@@ -90,6 +91,8 @@ def test_hf_to_megatron_errors(case, message, tiny_model_dirs, not_a_model, tmp_
         extra = ["--tp", "3"]
     elif case == "pp3":
         extra = ["--pp", "3"]
+    elif case == "ep2_dense":
+        extra = ["--ep", "2"]
     elif case == "non_empty_output":
         output.mkdir()
         (output / "something").write_text("x")

@@ -111,3 +111,71 @@ def cpu_behaviour() -> dict:
     out["backward_allocation"] = leaf.grad.tolist()
     out["modes_after_backward"] = len(_get_current_function_mode_stack())
     return out
+
+
+def _outcome(call) -> str:
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # recorded, asserted in the test
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def moe_router_gemm() -> dict:
+    """The MoE router's gating GEMM, before and after the layer (Megatron imported first, without it)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    g = torch.Generator().manual_seed(0)
+    inp = torch.randn(3, 5, 8, generator=g, requires_grad=True)
+    weight = torch.randn(4, 8, generator=g, requires_grad=True)
+    out: dict = {"before": _outcome(lambda: moe_utils.router_gating_linear(inp, weight, None, torch.float32))}
+
+    from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    logits = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    logits.square().sum().backward()
+    ref_inp, ref_weight = inp.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    (ref_inp @ ref_weight.t()).square().sum().backward()
+    out["after_equal"] = [
+        torch.allclose(logits, (inp @ weight.t()).detach(), atol=1e-6),
+        torch.allclose(inp.grad, ref_inp.grad, atol=1e-5),
+        torch.allclose(weight.grad, ref_weight.grad, atol=1e-5),
+    ]
+    out["te_general_gemm"] = repr(moe_utils.te_general_gemm)
+    return out
+
+
+def moe_alltoall_split_sizes() -> dict:
+    """Megatron's all-to-all with split sizes as the alltoall dispatcher hands them over (2 ranks, gloo).
+
+    Rank r sends r + 1 rows to each rank. With the layer, the dispatcher's host copy of the split sizes
+    is what CUDA tensors get on GPUs; with Megatron's own helper (the layer's patch undone) they stay
+    tensors and `all_to_all_single` refuses them.
+    """
+    import torch.distributed as dist
+
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+
+    ctx = init_distributed(ParallelLayout(), timeout_s=60)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import all_to_all
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    rank, world = ctx.rank, ctx.world_size
+    group = ps.get_data_parallel_group()
+    rows = torch.arange(world * (rank + 1), dtype=torch.float32).unsqueeze(1) + 100 * rank
+    send = torch.full((world,), rank + 1)
+    receive = torch.arange(1, world + 1)
+
+    def exchange(to_host):
+        return all_to_all(group, rows, to_host(receive, as_numpy=True), to_host(send, as_numpy=True))
+
+    out: dict = {"patched": token_dispatcher.maybe_move_tensor_to_cpu is not moe_utils.maybe_move_tensor_to_cpu}
+    received = exchange(token_dispatcher.maybe_move_tensor_to_cpu)
+    expected = torch.cat([torch.arange(r + 1, dtype=torch.float32) + (r + 1) * rank + 100 * r for r in range(world)])
+    out["received_equal"] = torch.equal(received.squeeze(1), expected)
+    out["without_layer"] = _outcome(lambda: exchange(moe_utils.maybe_move_tensor_to_cpu))
+    dist.barrier()
+    teardown()
+    return out

@@ -64,3 +64,21 @@ def test_backward_of_python_functions_is_rerouted_too(cpu_observed):
     # Megatron's sequence-parallel linear allocates its reduce-scatter buffer this way in backward.
     assert cpu_observed["backward_allocation"] == [2.0, 2.0, 2.0]
     assert cpu_observed["modes_after_backward"] == 1
+
+
+def test_moe_router_runs_without_transformer_engine():
+    # moe_utils names TE's GEMM in the router's autograd function; without TE the name is undefined.
+    observed = _run("moe_router_gemm")
+    assert observed["before"] == "error: NameError: name 'te_general_gemm' is not defined"
+    assert observed["after_equal"] == [True, True, True]  # logits, input and weight gradients
+    assert observed["te_general_gemm"] == "None"
+
+
+def test_moe_alltoall_split_sizes_reach_all_to_all_as_host_arrays():
+    result = run_torchrun_function(WORKER, "moe_alltoall_split_sizes", nproc=2, timeout=180).check()
+    for observed in result.rank_results:
+        assert observed is not None, result.tail()
+        assert observed["patched"] is True
+        assert observed["received_equal"] is True
+        # Without the layer's conversion the split sizes are CPU tensors, which all_to_all_single refuses.
+        assert observed["without_layer"].startswith("error: TypeError: all_to_all_single(): incompatible function arguments")

@@ -178,3 +178,112 @@ def test_from_config_reads_parallel_section():
 
     layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=4, vpp=2, cp=1), world_size=16)
     assert (layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp) == (2, 4, 2, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism (mixture-of-experts models)
+# ---------------------------------------------------------------------------------------------
+
+from megatron_dapo.distributed.layout import (  # noqa: E402  (this block's own imports)
+    ExpertParallelError,
+    check_expert_dispatcher,
+    check_moe_sequence_parallel,
+    expert_data_parallel_size,
+    expert_groups,
+    experts_per_rank,
+    validate_expert_parallel,
+)
+from megatron_dapo.errors import InputError  # noqa: E402
+
+
+def test_experts_must_divide_over_ep():
+    assert experts_per_rank(128, 8) == 16 and experts_per_rank(4, 4) == 1 and experts_per_rank(0, 1) == 0
+    with pytest.raises(ExpertParallelError) as err:
+        experts_per_rank(60, 8)
+    assert str(err.value) == "parallel.ep=8 does not divide the model's num_experts=60: use parallel.ep in {1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60}"
+    assert isinstance(err.value, InputError) and isinstance(err.value, ValueError)  # exit 2, one line
+    with pytest.raises(ExpertParallelError, match="parallel.ep=2 needs a mixture-of-experts model"):
+        experts_per_rank(0, 2)
+    with pytest.raises(ExpertParallelError, match="parallel.ep=0 must be a positive integer"):
+        experts_per_rank(4, 0)
+
+
+@pytest.mark.parametrize(
+    "world,ep,tp,pp,cp,expert_dp",
+    [(8, 8, 1, 1, 1, 1), (8, 2, 2, 1, 1, 2), (8, 4, 2, 1, 1, 1), (16, 8, 2, 1, 1, 1), (8, 2, 1, 2, 2, 2), (4, 1, 1, 1, 1, 4)],
+)
+def test_expert_data_parallel_size(world, ep, tp, pp, cp, expert_dp):
+    # world = TP x EP x expert-DP x PP, as Megatron's expert rank generator lays the same ranks out.
+    assert expert_data_parallel_size(world, ep, tp, pp, cp) == expert_dp
+    assert tp * ep * expert_dp * pp == world
+
+
+def test_ep_times_tp_must_tile_a_pipeline_stage():
+    # 8 ranks, TP=2, PP=2: a stage has DP x TP x CP = 2 x 2 x 1 = 4 ranks; EP=4 x TP=2 = 8 does not fit.
+    with pytest.raises(ExpertParallelError) as err:
+        expert_data_parallel_size(8, 4, tp=2, pp=2)
+    assert str(err.value) == (
+        "parallel.ep x parallel.tp = 4 x 2 = 8 does not divide the 4 ranks of a pipeline stage (DP x TP x CP = 2 x 2 x 1): "
+        "parallel.ep must divide DP x CP = 2, use parallel.ep in {1, 2} or launch a multiple of 16 processes"
+    )
+    with pytest.raises(ExpertParallelError, match="parallel.ep must divide DP x CP = 6"):
+        expert_data_parallel_size(12, 4, tp=2)
+    with pytest.raises(ExpertParallelError, match="world size 6 is not divisible"):
+        expert_data_parallel_size(6, 2, tp=4)
+
+
+def test_dispatcher_choice():
+    check_expert_dispatcher("alltoall", pp=4)
+    check_expert_dispatcher("allgather", pp=1)
+    with pytest.raises(ExpertParallelError, match="'flex' is not supported: use one of alltoall, allgather"):
+        check_expert_dispatcher("flex")
+    with pytest.raises(ExpertParallelError, match="allgather MoE token dispatcher does not take .* parallel.pp=2: use the alltoall"):
+        check_expert_dispatcher("allgather", pp=2)
+
+
+def test_validate_expert_parallel_checks_what_is_known():
+    validate_expert_parallel(2)  # nothing known but ep itself
+    validate_expert_parallel(2, world_size=4, tp=2)
+    validate_expert_parallel(8, num_experts=128, world_size=16, tp=2, pp=1, dispatcher="alltoall")
+    with pytest.raises(ExpertParallelError, match="num_experts=6"):
+        validate_expert_parallel(4, num_experts=6)
+    with pytest.raises(ExpertParallelError, match="needs a mixture-of-experts model"):
+        validate_expert_parallel(2, num_experts=0)
+    with pytest.raises(ExpertParallelError, match="parallel.ep must divide DP x CP = 1"):
+        validate_expert_parallel(2, world_size=2, tp=2)
+    with pytest.raises(ExpertParallelError, match="allgather"):
+        validate_expert_parallel(1, pp=2, dispatcher="allgather")
+    with pytest.raises(ExpertParallelError, match="set parallel.sequence_parallel=true"):
+        validate_expert_parallel(2, num_experts=4, tp=2, sequence_parallel=False)
+    validate_expert_parallel(1, num_experts=0, tp=2, sequence_parallel=False)  # dense: no MoE rule
+
+
+def test_moe_training_at_tp_needs_sequence_parallel():
+    check_moe_sequence_parallel(1, False)
+    check_moe_sequence_parallel(4, True)
+    with pytest.raises(ExpertParallelError) as err:
+        check_moe_sequence_parallel(2, False)
+    assert str(err.value) == (
+        "training a mixture-of-experts model at parallel.tp=2 needs sequence parallelism: set parallel.sequence_parallel=true"
+    )
+
+
+def test_expert_groups_tp2_ep2_of_8():
+    layout = ParallelLayout(tp=2).resolve(8)
+    assert expert_groups(layout, 2, "expert_tp") == layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert expert_groups(layout, 2, "ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert expert_groups(layout, 2, "expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Without EP the experts are replicated like every dense parameter: over the dense DP group.
+    assert expert_groups(layout, 1, "expert_dp") == layout.groups("dp")
+    with pytest.raises(ValueError, match="unknown expert group kind"):
+        expert_groups(layout, 2, "dp")
+    with pytest.raises(ValueError, match="call resolve"):
+        expert_groups(ParallelLayout(tp=2), 2, "ep")
+
+
+def test_expert_groups_keep_pipeline_stages():
+    layout = ParallelLayout(pp=2).resolve(8)
+    ep_groups = expert_groups(layout, 2, "ep")
+    assert ep_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    stage = {rank: layout.coordinates(rank)["pp"] for rank in range(8)}
+    assert all(len({stage[r] for r in group}) == 1 for group in ep_groups)  # an expert group never spans stages

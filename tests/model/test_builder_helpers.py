@@ -52,3 +52,57 @@ def test_causal_attention_mask():
         [False, False, False, True],
         [False, False, False, False],
     ]
+
+
+def _moe_cfg(arch: str):
+    from tiny_models import tiny_moe_config
+
+    return read_hf_config(tiny_moe_config(arch).to_dict())
+
+
+def test_moe_transformer_config():
+    from megatron_dapo.distributed.layout import ParallelLayout
+
+    qwen3 = builder.build_transformer_config(_moe_cfg("qwen3_moe"), ParallelLayout(), torch.float32, expert_parallel=2)
+    assert (qwen3.num_moe_experts, qwen3.moe_router_topk, qwen3.moe_ffn_hidden_size) == (4, 2, 32)
+    assert qwen3.expert_model_parallel_size == 2 and qwen3.moe_token_dispatcher_type == "alltoall"
+    # Qwen3-MoE renormalises the top-k weights: softmax over the top-k logits (not pre-softmax).
+    assert qwen3.moe_router_score_function == "softmax" and qwen3.moe_router_pre_softmax is False
+    assert qwen3.moe_router_load_balancing_type == "aux_loss" and qwen3.moe_aux_loss_coeff == 0.001
+    assert qwen3.moe_grouped_gemm is False  # sequential experts on the local spec
+    assert qwen3.moe_shared_expert_intermediate_size is None
+    qwen2 = builder.build_transformer_config(
+        _moe_cfg("qwen2_moe"), ParallelLayout(), torch.float32, use_te=True, moe_token_dispatcher="allgather", moe_aux_loss_coeff=0.0
+    )
+    assert qwen2.moe_router_pre_softmax is True  # norm_topk_prob=false: softmax over all experts, kept
+    assert qwen2.moe_shared_expert_intermediate_size == 48 and qwen2.moe_shared_expert_gate is True
+    assert qwen2.moe_grouped_gemm is True and qwen2.moe_token_dispatcher_type == "allgather"
+    assert qwen2.moe_aux_loss_coeff == 0.0 and qwen2.expert_model_parallel_size == 1
+    dense = builder.build_transformer_config(read_hf_config(tiny_config("qwen3").to_dict()), ParallelLayout(), torch.float32)
+    assert dense.num_moe_experts is None
+
+
+@pytest.mark.parametrize(
+    "arch,kwargs,layout,message",
+    [
+        ("qwen3_moe", {"expert_parallel": 3}, {}, r"parallel.ep=3 does not divide the model's num_experts=4: use parallel.ep in \{1, 2, 4\}"),
+        ("qwen3", {"expert_parallel": 2}, {}, "parallel.ep=2 needs a mixture-of-experts model"),
+        ("qwen3_moe", {"moe_token_dispatcher": "flex"}, {}, "MoE token dispatcher 'flex' is not supported"),
+        ("qwen3_moe", {"moe_token_dispatcher": "allgather"}, {"pp": 2}, "allgather MoE token dispatcher does not take"),
+    ],
+)  # fmt: skip
+def test_moe_transformer_config_refusals(arch, kwargs, layout, message):
+    from megatron_dapo.distributed.layout import ExpertParallelError, ParallelLayout
+
+    cfg = _moe_cfg(arch) if arch.endswith("_moe") else read_hf_config(tiny_config(arch).to_dict())
+    with pytest.raises(ExpertParallelError, match=message):
+        builder.build_transformer_config(cfg, ParallelLayout(**layout), torch.float32, **kwargs)
+
+
+def test_local_moe_spec_stores_the_pre_mlp_norm_under_its_own_key():
+    dense = builder._layer_spec(read_hf_config(tiny_config("qwen3").to_dict()), use_te=False)
+    moe = builder._layer_spec(_moe_cfg("qwen3_moe"), use_te=False)
+    assert dense.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
+    # TE's MoE spec keeps `pre_mlp_layernorm.weight`: CPU-made MoE checkpoints load on TE GPUs.
+    assert "pre_mlp_layernorm." not in moe.submodules.sharded_state_dict_keys_map
+    assert moe.submodules.sharded_state_dict_keys_map["input_layernorm."] == "self_attention.linear_qkv.layer_norm_"

@@ -121,3 +121,86 @@ def test_tiny_test_models_parse(tiny_model_dirs):
 def test_refusals_name_the_feature(base, change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         read_hf_config(dict(base, **change))
+
+
+# Mixtures of experts (config.json as published, trimmed to the keys that matter).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+QWEN15_MOE_A27B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe",
+    "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "vocab_size": 151936, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+    "output_router_logits": False, "router_aux_loss_coef": 0.001,
+}  # fmt: skip
+
+
+def test_qwen3_30b_a3b():
+    cfg = read_hf_config(QWEN3_30B_A3B)
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.is_moe
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn_hidden_size) == (128, 8, 768)
+    assert cfg.norm_topk_prob is True and cfg.router_aux_loss_coef == 0.001
+    assert cfg.shared_expert_ffn_hidden_size is None
+    assert cfg.qk_norm is True and cfg.qkv_bias is False and cfg.head_dim == 128
+    assert cfg.ffn_hidden_size == 6144  # the dense width; every layer of this model is MoE
+
+
+def test_qwen15_moe_shared_expert():
+    cfg = read_hf_config(QWEN15_MOE_A27B)
+    assert cfg.architecture == "Qwen2MoeForCausalLM" and cfg.is_moe
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn_hidden_size) == (60, 4, 1408)
+    assert cfg.shared_expert_ffn_hidden_size == 5632 and cfg.norm_topk_prob is False
+    assert cfg.qkv_bias is True and cfg.qk_norm is False
+
+
+def test_dense_models_have_no_experts():
+    cfg = read_hf_config(QWEN3_06B)
+    assert not cfg.is_moe and cfg.num_experts == 0 and cfg.moe_ffn_hidden_size is None
+
+
+def test_moe_config_variants():
+    # transformers 5 writes the expert count as num_local_experts.
+    raw = dict(QWEN3_30B_A3B, num_local_experts=128)
+    del raw["num_experts"]
+    assert read_hf_config(raw) == read_hf_config(QWEN3_30B_A3B)
+    # norm_topk_prob absent: each config class's transformers default (Qwen3-MoE True, Qwen2-MoE False).
+    assert read_hf_config({k: v for k, v in QWEN3_30B_A3B.items() if k != "norm_topk_prob"}).norm_topk_prob is True
+    assert read_hf_config({k: v for k, v in QWEN15_MOE_A27B.items() if k != "norm_topk_prob"}).norm_topk_prob is False
+    assert read_hf_config(dict(QWEN3_30B_A3B, mlp_only_layers=None, decoder_sparse_step=None)).num_experts == 128
+
+
+def test_tiny_moe_test_models_parse():
+    from tiny_models import MOE_ARCHS, tiny_moe_config
+
+    cfgs = {arch: read_hf_config(tiny_moe_config(arch).to_dict()) for arch in MOE_ARCHS}
+    assert cfgs["qwen3_moe"].num_experts == cfgs["qwen2_moe"].num_experts == 4
+    assert cfgs["qwen2_moe"].shared_expert_ffn_hidden_size == 48 and not cfgs["qwen2_moe"].norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    "base,change,message",
+    [
+        (QWEN3_30B_A3B, {"decoder_sparse_step": 2}, r"Qwen3MoeForCausalLM: decoder_sparse_step=2 \(dense MLP layers"),
+        (QWEN3_30B_A3B, {"mlp_only_layers": [0, 47]}, r"mlp_only_layers=\[0, 47\] \(dense MLP layers in an MoE model\)"),
+        (QWEN3_30B_A3B, {"num_experts_per_tok": 129}, "num_experts_per_tok=129 exceeds num_experts=128"),
+        (QWEN3_30B_A3B, {"moe_intermediate_size": None}, "needs a positive integer 'moe_intermediate_size'"),
+        (QWEN3_30B_A3B, {"num_experts": None}, r"no 'num_experts' \(or 'num_local_experts'\)"),
+        (QWEN3_30B_A3B, {"attention_bias": True}, "Qwen3MoeForCausalLM: attention_bias=true"),
+        (QWEN15_MOE_A27B, {"shared_expert_intermediate_size": 0}, "'shared_expert_intermediate_size'"),
+        (QWEN15_MOE_A27B, {"qkv_bias": False}, "qkv_bias=false is not supported"),
+        (QWEN3_06B, {"num_experts": 8}, r"Qwen3ForCausalLM: mixture-of-experts layers \(num_experts=8\)"),
+        (QWEN25_7B, {"num_local_experts": 8}, "mixture-of-experts layers"),
+    ],
+)  # fmt: skip
+def test_moe_refusals_name_the_feature(base, change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        read_hf_config(dict(base, **change))

@@ -16,7 +16,11 @@ from megatron_dapo.model.mapping import (
     TP_SPLIT,
     VOCAB_PAD,
     Map,
+    MappingTable,
     ModelShape,
+    expand_experts,
+    expert_location,
+    global_expert_index,
     global_layer_index,
     layer_location,
     padded_vocab_size,
@@ -158,7 +162,7 @@ def test_tables_cover_exactly_the_hf_checkpoints(tiny_model_dirs):
 
 
 def test_every_architecture_has_a_table():
-    assert set(ARCH_TABLES) == {"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"}
+    assert set(ARCH_TABLES) == {"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("num_layers,pp,vpp", [(8, 1, None), (8, 2, None), (8, 2, 2), (12, 4, None), (24, 2, 3), (16, 4, 2)])
@@ -182,3 +186,118 @@ def test_layer_placement_interleaved_example():
         layer_location(8, 8, 2, 2)
     with pytest.raises(ValueError, match="cannot be split evenly"):
         layer_location(0, 10, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture-of-experts rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny_moe_table(arch: str = "qwen3_moe"):
+    from tiny_models import tiny_moe_config
+
+    cfg = read_hf_config(tiny_moe_config(arch).to_dict())
+    return cfg, mapping_for(cfg)
+
+
+def test_moe_rows_are_named_per_spec_and_expert():
+    cfg, table = _tiny_moe_table()
+    assert table.num_experts == 4 and len(table.expert_rows) == 2 * 4
+    router = table.row_for_megatron("decoder.layers.{i}.mlp.router.weight")
+    assert router.hf_names(1) == ("model.layers.1.mlp.gate.weight",)
+    assert router.transform is REPLICATED and router.tp_dim is None and not router.per_expert
+    assert router.megatron_name("te", 1) == router.megatron_name("local", 1) == "decoder.layers.1.mlp.router.weight"
+    fc1 = table.row_for_megatron("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight", expert=3)
+    assert fc1.per_expert and fc1.expert == 3 and fc1.transform is GATE_UP and fc1.tp_dim == 0
+    assert fc1.hf_names(1) == ("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    # Megatron names carry the local id: by default the global one (EP=1); under EP the caller's.
+    assert fc1.megatron_name("local", 0) == "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert fc1.megatron_name("local", 0, local_expert=1) == "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+    assert fc1.megatron_name("te", 0, local_expert=1) == "decoder.layers.0.mlp.experts.linear_fc1.weight1"  # TEGroupedMLP
+    fc2 = table.row_for_megatron("decoder.layers.{i}.mlp.experts.linear_fc2.weight{e}", expert=0)
+    assert fc2.transform is TP_SPLIT and fc2.tp_dim == 1
+    assert fc2.hf_names(0) == ("model.layers.0.mlp.experts.0.down_proj.weight",)
+    # An MoE layer keeps its pre-MLP norm under both specs (TE fuses it into linear_fc1 only for a dense MLP).
+    norm = table.row_for_megatron("decoder.layers.{i}.pre_mlp_layernorm.weight")
+    assert norm.megatron_name("te", 0) == norm.megatron_name("local", 0) == "decoder.layers.0.pre_mlp_layernorm.weight"
+    with pytest.raises(KeyError, match="expert 4"):
+        table.row_for_megatron("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight", expert=4)
+
+
+def test_qwen2_moe_shared_expert_rows():
+    _, table = _tiny_moe_table("qwen2_moe")
+    shared = table.row_for_megatron("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight")
+    assert shared.hf_names(0) == ("model.layers.0.mlp.shared_expert.gate_proj.weight", "model.layers.0.mlp.shared_expert.up_proj.weight")
+    assert shared.transform is GATE_UP and not shared.per_expert  # split over the dense TP group
+    gate = table.row_for_megatron("decoder.layers.{i}.mlp.shared_experts.gate_weight")
+    assert gate.hf_names(1) == ("model.layers.1.mlp.shared_expert_gate.weight",) and gate.transform is REPLICATED
+    assert table.row_for_megatron("decoder.layers.{i}.self_attention.linear_qkv.bias").transform is QKV_INTERLEAVED
+
+
+def test_expert_rows_are_expert_major_and_bound():
+    _, table = _tiny_moe_table()
+    layer = [r for r, layer in table.ordered(1) if r.per_expert]
+    assert [(r.expert, r.megatron.rsplit(".", 2)[-2]) for r in layer] == [
+        (e, fc) for e in range(4) for fc in ("linear_fc1", "linear_fc2")
+    ]  # an expert's fc1 and fc2 are adjacent
+    template = next(r for r in ARCH_TABLES["Qwen3MoeForCausalLM"] if r.per_expert)
+    assert template.expert is None
+    with pytest.raises(ValueError, match="bind it"):
+        template.hf_names(0)
+    with pytest.raises(ValueError, match="must be bound"):
+        MappingTable("Qwen3MoeForCausalLM", ARCH_TABLES["Qwen3MoeForCausalLM"], False, 4)
+    with pytest.raises(ValueError, match="need num_experts >= 1"):
+        expand_experts(ARCH_TABLES["Qwen3MoeForCausalLM"], 0)
+    assert expand_experts(ARCH_TABLES["Qwen3ForCausalLM"], 0) == ARCH_TABLES["Qwen3ForCausalLM"]
+    with pytest.raises(ValueError, match="'{e}' must appear in all names"):
+        Map(hf=("model.layers.{i}.mlp.experts.{e}.x",), megatron="decoder.layers.{i}.mlp.x", transform=REPLICATED)
+    with pytest.raises(ValueError, match="'{e}' must appear in all names"):
+        Map(hf=("model.layers.{i}.{e}",), megatron="decoder.layers.{i}.{e}", megatron_te="decoder.layers.{i}.x", transform=REPLICATED)
+    with pytest.raises(ValueError, match="must be per layer"):
+        Map(hf=("experts.{e}.x",), megatron="experts.{e}.x", transform=REPLICATED)
+    with pytest.raises(ValueError, match="not per expert"):
+        table.row_for_megatron("decoder.layers.{i}.mlp.router.weight").for_expert(0)
+
+
+@pytest.mark.parametrize("num_experts,ep", [(4, 1), (4, 2), (4, 4), (128, 8), (60, 4)])
+def test_expert_placement_round_trip(num_experts, ep):
+    seen = set()
+    for expert in range(num_experts):
+        ep_rank, local = expert_location(expert, num_experts, ep)
+        assert ep_rank == expert // (num_experts // ep)  # contiguous blocks, as Megatron's SequentialMLP
+        assert global_expert_index(ep_rank, local, num_experts, ep) == expert
+        seen.add((ep_rank, local))
+    assert seen == {(r, e) for r in range(ep) for e in range(num_experts // ep)}
+    with pytest.raises(ValueError, match="outside"):
+        expert_location(num_experts, num_experts, ep)
+
+
+def test_expert_placement_refuses_uneven_split():
+    with pytest.raises(ValueError, match="cannot be split evenly over expert-parallel size 3"):
+        expert_location(0, 4, 3)
+    with pytest.raises(ValueError, match="outside"):
+        global_expert_index(2, 0, 4, 2)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_expert_rows_round_trip_over_expert_tp(tp):
+    _, table = _tiny_moe_table()
+    shape = _shape()
+    g = torch.Generator().manual_seed(3)
+    for row in table.expert_rows[:2]:
+        hf = [torch.randn(32, 64, generator=g) for _ in row.hf] if row.transform is GATE_UP else [torch.randn(64, 32, generator=g)]
+        shards = [row.to_megatron_shard(hf, r, tp, shape) for r in range(tp)]
+        back = row.to_hf(shards, shape)
+        assert all(torch.equal(a, b) for a, b in zip(back, hf))
+        if row.transform is GATE_UP:  # each expert-TP rank holds [its gate rows; its up rows]
+            assert torch.equal(shards[-1], torch.cat([hf[0].chunk(tp)[-1], hf[1].chunk(tp)[-1]]))
+
+
+def test_moe_tables_cover_exactly_the_saved_checkpoints(tmp_path):
+    from tiny_models import MOE_ARCHS, save_tiny_model
+
+    for arch in MOE_ARCHS:
+        path = save_tiny_model(arch, tmp_path / arch)
+        cfg = read_hf_config(path)
+        with HFWeightReader(path) as reader:
+            assert sorted(mapping_for(cfg).hf_names(cfg.num_layers)) == reader.names(), arch

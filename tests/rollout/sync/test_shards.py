@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_dapo.model.arch_tables import ARCH_TABLES
-from megatron_dapo.model.mapping import MappingTable, ModelShape, padded_vocab_size
+from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
 from megatron_dapo.rollout.sync.shards import engine_shards
 from shard_shapes import SHARD_SHAPE, hf_tensor
 
@@ -27,7 +27,7 @@ def test_engine_shards_are_the_engine_slices_of_every_mapping_row(arch, tp):
     """From each rank's Megatron shard (made by the table's own loader), the hand-over yields exactly
     the slices a TP engine shard holds, written out here from the convention, not from the code."""
     s = SHARD_SHAPE
-    table = MappingTable(arch, ARCH_TABLES[arch], tie_word_embeddings=False)
+    table = MappingTable(arch, expand_experts(ARCH_TABLES[arch], s["experts"]), False, s["experts"])
     shape = ModelShape(s["heads"], s["groups"], s["head_dim"], s["vocab"], padded_vocab_size(s["vocab"], tp))
     g = torch.Generator().manual_seed(tp)
     heads_per_rank, groups_per_rank, d = s["heads"] // tp, s["groups"] // tp, s["head_dim"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.model.arch_tables import ARCH_TABLES
-from megatron_dapo.model.mapping import MappingTable, ModelShape, padded_vocab_size
+from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
 from megatron_dapo.rollout.sync.bucketing import bucket_stream
 from megatron_dapo.rollout.sync.shards import EngineShard, engine_shards
 from megatron_dapo.rollout.sync.shared_memory import iter_safetensors, write_shards_into_bucket_file
@@ -26,7 +26,7 @@ def _full_hf_tensors(table: MappingTable, num_layers: int, dtype: torch.dtype, s
 @pytest.mark.parametrize("tp,dtype", [(2, torch.float32), (4, torch.bfloat16)])
 def test_every_ranks_slices_assemble_the_full_tensors_in_one_file(arch, tp, dtype, tmp_path):
     s = SHARD_SHAPE
-    table = MappingTable(arch, ARCH_TABLES[arch], tie_word_embeddings=False)
+    table = MappingTable(arch, expand_experts(ARCH_TABLES[arch], s["experts"]), False, s["experts"])
     shape = ModelShape(s["heads"], s["groups"], s["head_dim"], s["vocab"], padded_vocab_size(s["vocab"], tp))
     full = _full_hf_tensors(table, num_layers=2, dtype=dtype, seed=tp)
     per_rank = {rank: [] for rank in range(tp)}
