@@ -15,6 +15,13 @@ sampling, checkpoints):
     megatron-dapo demo                                          # one process
     torchrun --nproc_per_node 2 -m megatron_dapo.cli demo parallel.tp=2
     megatron-dapo demo rollout.engine=vllm                      # vLLM's CPU build, real weight sync
+    megatron-dapo demo --model moe                              # a tiny Qwen3-MoE (8 experts, top-2)
+    torchrun --nproc_per_node 2 -m megatron_dapo.cli demo --model moe parallel.ep=2
+
+`--model moe` swaps the model for a Qwen3-MoE of the same width (8 experts of width 96, 2 routed per
+token, ~1.9M parameters, ~0.7M active): the same task, trained with the MoE layers of Megatron-Core
+(expert parallelism with `parallel.ep`), pushed into the engine expert by expert. Its workspace is
+`outputs/demo-moe` unless --workspace says otherwise.
 """
 
 from __future__ import annotations
@@ -29,15 +36,23 @@ from megatron_dapo.cli.train import guarded
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 
-# The demo model: Qwen2-shaped, ~0.8M parameters. head_dim = 128 / 4 = 32.
+# The demo models. Dense: Qwen2-shaped, ~0.8M parameters, head_dim = 128 / 4 = 32. MoE: Qwen3-MoE of
+# the same width and attention, 8 experts of width 96 with 2 routed per token in every layer.
 DEMO_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+DEMO_MOE_MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      intermediate_size=384, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                      decoder_sparse_step=1, norm_topk_prob=True)  # fmt: skip
+DEMO_MODELS = ("dense", "moe")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: configs/tiny_cpu.yaml)")
-    parser.add_argument("--workspace", default="outputs/demo", help="model, data and runs go here (default outputs/demo)")
+    parser.add_argument("--model", choices=DEMO_MODELS, default="dense",
+                        help="dense: a tiny Qwen2 (default); moe: a tiny Qwen3-MoE (8 experts, top-2; see below)")
+    parser.add_argument("--workspace", default=None,
+                        help="model, data and runs go here (default outputs/demo, or outputs/demo-moe with --model moe)")
     parser.add_argument("--max-operand", type=int, default=50, help="problems a +- b with 0 <= a, b <= this (default 50)")
     parser.add_argument("--skip-sft", action="store_true", help="reuse the workspace's SFT checkpoint when there is one")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5 parallel.tp=2")
@@ -49,24 +64,34 @@ def workspace_paths(root: Path) -> dict[str, Path]:
             "sft": root / "data" / "sft.jsonl"}  # fmt: skip
 
 
-def prepare_workspace(root: Path, seed: int, num_train: int = 8000, num_val: int = 128, max_operand: int = 50) -> dict[str, Path]:
-    """Create the demo's model, tokenizer and data under `root` (idempotent; deterministic in `seed`)."""
+def prepare_workspace(
+    root: Path, seed: int, num_train: int = 8000, num_val: int = 128, max_operand: int = 50, model: str = "dense"
+) -> dict[str, Path]:
+    """Create the demo's model (`model`: "dense" or "moe"), tokenizer and data under `root`
+    (idempotent; deterministic in `seed`)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     from megatron_dapo.data.arithmetic import build_tokenizer, write_arithmetic_dataset
 
     paths = workspace_paths(root)
     ready = root / ".ready"
-    recipe = {"seed": seed, "model": DEMO_MODEL, "num_train": num_train, "num_val": num_val, "max_operand": max_operand}
+    if model not in DEMO_MODELS:
+        raise ValueError(f"unknown demo model {model!r} ({', '.join(DEMO_MODELS)})")
+    shape = DEMO_MODEL if model == "dense" else DEMO_MOE_MODEL
+    recipe = {"seed": seed, "model": shape, "num_train": num_train, "num_val": num_val, "max_operand": max_operand}
     if ready.exists() and json.loads(ready.read_text()) == recipe:
         return paths
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **DEMO_MODEL,
-    )  # fmt: skip
-    config.architectures = ["Qwen2ForCausalLM"]
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    if model == "dense":
+        config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+                             **special, **shape)  # fmt: skip
+        config.architectures = ["Qwen2ForCausalLM"]
+    else:
+        config = Qwen3MoeConfig(vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=False,
+                                rope_theta=1000000.0, **special, **shape)  # fmt: skip
+        config.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(paths["model"])
     tokenizer.save_pretrained(str(paths["model"]))
@@ -100,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dapo.trainer.loop import train
     from megatron_dapo.trainer.sft import run_sft
 
-    root = Path(args.workspace)
+    root = Path(args.workspace or ("outputs/demo" if args.model == "dense" else "outputs/demo-moe"))
     paths = workspace_paths(root)
     overrides = [
         f"model.hf_dir={paths['model']}",
@@ -116,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if launch.rank != 0:
         _wait_for(root / ".ready")
-    prepare_workspace(root, seed=7, max_operand=args.max_operand)  # rank 0 builds it; the others find it ready
+    prepare_workspace(root, seed=7, max_operand=args.max_operand, model=args.model)  # rank 0 builds it; the others find it ready
     say = print if launch.rank == 0 else (lambda *a, **k: None)
     sft_root = Path(cfg.sft.output_dir) / "checkpoints"
 

@@ -34,6 +34,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from megatron_dapo.model.hf_experts import expert_slot, is_fused_experts, slots_per_fused, unfused_experts
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 
 FINISH_STOP = "stop"
@@ -217,6 +218,8 @@ class EmbeddedEngine(RolloutEngine):
         )
         self._params_by_name = dict(self.model.named_parameters(remove_duplicate=False))
         self._loaded_params: set[int] = set()
+        # Fused expert parameters (transformers' MoE layout) fill slice by slice: the slots loaded so far.
+        self._loaded_expert_slots: dict[int, set] = {}
         self._asleep = False
 
     @staticmethod
@@ -403,21 +406,32 @@ class EmbeddedEngine(RolloutEngine):
         """Copy HF-named tensors into the model's parameters in place (streamed, any order).
 
         Raises KeyError for a name the model does not have and ValueError for a shape mismatch.
-        Tied embeddings stay one Parameter, so loading either of its names updates both.
+        Tied embeddings stay one Parameter, so loading either of its names updates both. Per-expert
+        names of an MoE layer (`...experts.E.gate_proj.weight`) go into their slice of the fused
+        parameter transformers holds (`model.hf_experts`).
         """
         if self.model is None:
             raise RuntimeError("EmbeddedEngine was shut down")
         for name, tensor in weights:
             param = self._params_by_name.get(name)
-            if param is None:
+            slot = expert_slot(name) if param is None else None
+            fused = self._params_by_name.get(slot.fused_name) if slot is not None else None
+            if param is None and fused is None:
                 raise KeyError(f"load_weights: the model has no parameter named {name!r}")
-            if tuple(tensor.shape) != tuple(param.shape):
+            target = param.data if fused is None else slot.view(fused.data)
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"load_weights: shape mismatch for {name!r}: "
-                    f"got {tuple(tensor.shape)}, model has {tuple(param.shape)}"
+                    f"got {tuple(tensor.shape)}, model has {tuple(target.shape)}"
                 )
-            param.data.copy_(tensor, non_blocking=False)
-            self._loaded_params.add(id(param))
+            target.copy_(tensor, non_blocking=False)
+            if fused is None:
+                self._loaded_params.add(id(param))
+                continue
+            slots = self._loaded_expert_slots.setdefault(id(fused), set())
+            slots.add((slot.expert, slot.half))
+            if len(slots) == slots_per_fused(slot.fused_name, fused):
+                self._loaded_params.add(id(fused))
 
     def missing_after_load(self) -> list[str]:
         """Parameters (one name per tied group) not loaded since construction or `reset_load_tracking`.
@@ -432,14 +446,19 @@ class EmbeddedEngine(RolloutEngine):
     def reset_load_tracking(self) -> None:
         """Forget which parameters were loaded (call before a weight push to check that push alone)."""
         self._loaded_params.clear()
+        self._loaded_expert_slots.clear()
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The current weights, HF-named, without duplicates: a tied `lm_head.weight` is not listed."""
+        """The current weights under their checkpoint names, without duplicates: a tied `lm_head.weight`
+        is not listed, and fused MoE experts are listed expert by expert (as pushed and saved)."""
         if self.model is None:
             raise RuntimeError("EmbeddedEngine was shut down")
         parameter_names = set(self._params_by_name)
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            if is_fused_experts(name, param):
+                yield from unfused_experts(name, param.detach())
+            else:
+                yield name, param.detach()
         # Persistent buffers that are part of the checkpoint (none in the supported dense LMs).
         for name, tensor in self.model.state_dict().items():
             if name not in parameter_names:
