@@ -34,6 +34,7 @@ from megatron_dapo.distributed.layout import (
     check_rollout_tp,
     check_sizes,
     check_world_size,
+    check_expert_dispatcher,
     validate_expert_parallel,
 )
 from megatron_dapo.errors import InputError
@@ -106,6 +107,23 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     dp: Optional[int] = field(default=None, metadata={"derived": True})
     """Derived: world_size / (tp * pp * cp). Not settable."""
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts training (Qwen3-MoE, Qwen2-MoE); a dense model ignores it. The experts'
+    parallelism is `parallel.ep`."""
+
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts' ranks: "alltoall" (any layout) or "allgather" (parallel.pp = 1
+    and parallel.ep = 1 only: it needs micro-batches of one shape on its peers)."""
+    aux_loss_coeff: Optional[float] = None
+    """Weight of the load-balancing loss; null: the model's `router_aux_loss_coef` (config.json),
+    0 turns it off. Averaged over micro-batches and data-parallel replicas as in Megatron's own
+    training (the policy loss keeps its exact global token-mean); logged as actor/moe_aux_loss."""
+    z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss (mean squared log-sum-exp of the router logits); null or 0: off.
+    Averaged like the load-balancing loss; logged as actor/moe_z_loss."""
 
 
 @dataclass
@@ -357,6 +375,7 @@ class TrainerConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -609,6 +628,10 @@ def validate(cfg: Config) -> None:
     with _config_errors():
         check_sizes(p.tp, p.pp, p.cp, p.vpp, r.tp)
         validate_expert_parallel(p.ep)
+        check_expert_dispatcher(cfg.moe.token_dispatcher, p.pp, p.ep)
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        value = getattr(cfg.moe, key)
+        _require(value is None or value >= 0, f"'moe.{key}' must be >= 0 or null, got {value}")
 
     _require(r.n >= 1, f"'rollout.n' must be >= 1, got {r.n}")
     _require(r.temperature > 0, f"'rollout.temperature' must be > 0, got {r.temperature}")

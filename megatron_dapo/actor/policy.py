@@ -44,6 +44,7 @@ from megatron_dapo.actor.forward import (
     response_log_probs,
     run_schedule,
 )
+from megatron_dapo.actor.moe import MoEStepStats, auxiliary_loss_scale, prepare_routers
 from megatron_dapo.actor.objective import (
     STAT_NAMES,
     GlobalCounts,
@@ -239,6 +240,12 @@ class MegatronActor(ReferenceModel):
         self.scheduler = scheduler
         self.objective = objective
         self.epochs = int(epochs)
+        self._routers = prepare_routers(self.models)
+        self._micro_batches_run = 0
+        self._moe_stats = (
+            MoEStepStats(self._routers, self.config.num_layers, self.config.num_moe_experts, self.device)
+            if getattr(self.config, "num_moe_experts", None) else None
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ collectives
 
@@ -308,7 +315,9 @@ class MegatronActor(ReferenceModel):
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = run_schedule(self.models, micro_batches, forward_step, forward_only=False)
+        with auxiliary_loss_scale(self._routers, len(micro_batches), ps.get_data_parallel_world_size()):
+            store = run_schedule(self.models, micro_batches, forward_step, forward_only=False)
+        self._micro_batches_run += len(micro_batches)
 
         sums = torch.zeros(len(STAT_NAMES) + len(_EXTRA_STATS), dtype=torch.float64, device=self.device)
         if is_last_stage() and store:
@@ -344,6 +353,9 @@ class MegatronActor(ReferenceModel):
             raise ValueError("update needs at least one mini-batch")
         self._check_same_count_across_dp(len(mini_batches))
         self.scheduler.step(1)  # before the updates: rollout step k trains at lr * k / warmup
+        self._micro_batches_run = 0
+        if self._moe_stats is not None:
+            self._moe_stats.start()
         steps: list[dict[str, float]] = []
         real = computed = tokens = 0.0
         for _ in range(self.epochs):
@@ -367,6 +379,8 @@ class MegatronActor(ReferenceModel):
             skipped_steps=float(sum(1 for step in steps if not step["update_successful"])),
         )
         metrics.pop("update_successful")
+        if self._moe_stats is not None:
+            metrics.update(self._moe_stats.finish(self._micro_batches_run))
         return metrics
 
 

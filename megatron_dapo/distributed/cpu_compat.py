@@ -39,6 +39,14 @@ The patches, each kept to what our code paths reach:
      expert-parallel rank) to the host with `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which
      converts CUDA tensors only; a CPU tensor stays a tensor and reaches `all_to_all_single`, which
      takes a list of ints. CPU tensors get the conversion GPU tensors get (a NumPy array).
+   - with expert-TP (TP > 1 and sequence parallelism) the alltoall dispatcher gathers and
+     reduce-scatters token blocks of DIFFERENT sizes over the TP group (`output_split_sizes`,
+     `input_split_sizes` of `tensor_parallel.mappings`), through `all_gather` into a list of unequal
+     tensors and a list `reduce_scatter`, which NCCL takes and gloo refuses ("invalid tensor size").
+     Those two branches go through equal-size collectives instead: the blocks padded to the largest
+     and gathered, then cut to their sizes; the whole input all-reduced, then this rank's block
+     taken (the same sums; more bytes, which on a CPU test machine do not matter). The equal-split
+     branches are Megatron's own.
 """
 
 from __future__ import annotations
@@ -259,9 +267,40 @@ def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: boo
     return tensor
 
 
+def _gather_uneven_first_dim(original):
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(size) for size in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(blocks, padded.contiguous(), group=group)
+        return torch.cat([block[:size] for block, size in zip(blocks, sizes)], dim=0)
+
+    gather._megatron_dapo_original = original
+    return gather
+
+
+def _reduce_scatter_uneven_first_dim(original):
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return torch.split(total, [int(size) for size in input_split_sizes], dim=0)[group.rank()].clone()
+
+    reduce_scatter._megatron_dapo_original = original
+    return reduce_scatter
+
+
 def _patch_megatron_moe() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # see _patch_megatron_rng
+    from megatron.core.tensor_parallel import mappings  # see _patch_megatron_rng
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     if not hasattr(moe_utils, "te_general_gemm"):  # TE's GEMM, defined only when TE imports
         moe_utils.te_general_gemm = None
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+    if not hasattr(mappings._gather_along_first_dim, "_megatron_dapo_original"):  # idempotent
+        mappings._gather_along_first_dim = _gather_uneven_first_dim(mappings._gather_along_first_dim)
+        mappings._reduce_scatter_along_first_dim = _reduce_scatter_uneven_first_dim(mappings._reduce_scatter_along_first_dim)

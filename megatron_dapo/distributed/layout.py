@@ -389,11 +389,15 @@ def expert_data_parallel_size(world_size: int, ep: int, tp: int = 1, pp: int = 1
     return world_size // (tp * ep * pp)
 
 
-def check_expert_dispatcher(dispatcher: str, pp: int = 1) -> None:
-    """The MoE token dispatcher runs here and with this pipeline size.
+def check_expert_dispatcher(dispatcher: str, pp: int = 1, ep: int = 1) -> None:
+    """The MoE token dispatcher runs here with this pipeline and expert-parallel size.
 
-    Megatron's allgather dispatcher refuses variable sequence lengths, which pipeline-parallel
-    training needs (micro-batch shapes vary: `actor.optim.prepare_transformer_config`).
+    Megatron's allgather dispatcher gathers equally shaped token blocks over the TP x EP ranks. Its
+    peers must therefore hold micro-batches of one shape, which RL batches do not give: the
+    pipeline schedule declares variable sequence lengths (`actor.optim.prepare_transformer_config`),
+    and expert-parallel peers are different data-parallel replicas, whose responses differ in length
+    (gloo then aborts on a size mismatch, NCCL hangs or reads garbage). Within TP (EP = 1) the
+    ranks share each micro-batch, so there it works.
     """
     if dispatcher not in EXPERT_DISPATCHERS:
         raise ExpertParallelError(f"MoE token dispatcher {dispatcher!r} is not supported: use one of {', '.join(EXPERT_DISPATCHERS)}")
@@ -401,6 +405,11 @@ def check_expert_dispatcher(dispatcher: str, pp: int = 1) -> None:
         raise ExpertParallelError(
             f"the allgather MoE token dispatcher does not take the varying micro-batch shapes of parallel.pp={pp}: "
             "use the alltoall dispatcher"
+        )
+    if dispatcher == "allgather" and ep > 1:
+        raise ExpertParallelError(
+            f"the allgather MoE token dispatcher needs micro-batches of one shape on its parallel.ep={ep} expert-parallel "
+            "ranks, which hold different data-parallel shares of responses of different lengths: use the alltoall dispatcher"
         )
 
 
@@ -435,7 +444,7 @@ def validate_expert_parallel(
     if world_size is not None:
         expert_data_parallel_size(world_size, ep, tp, pp, cp)
     if dispatcher is not None:
-        check_expert_dispatcher(dispatcher, pp)
+        check_expert_dispatcher(dispatcher, pp, ep)
     if sequence_parallel is not None and num_experts:
         check_moe_sequence_parallel(tp, sequence_parallel)
 

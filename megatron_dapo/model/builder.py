@@ -194,13 +194,15 @@ def build_transformer_config(
     expert_parallel: int = 1,
     moe_token_dispatcher: MoEDispatcher = "alltoall",
     moe_aux_loss_coeff: Optional[float] = None,
+    moe_z_loss_coeff: Optional[float] = None,
 ):
     """The Megatron `TransformerConfig` equivalent to the HF model, for this layout and dtype.
 
     `gradient_accumulation_fusion` (apex's fused weight-gradient GEMM into DDP's ``main_grad``; see
     `gpu_kernels.gradient_options`) is fixed when the layers are built, not when DDP wraps them.
     MoE models: `expert_parallel` (Megatron's `expert_model_parallel_size`), the token dispatcher,
-    and the load-balancing loss coefficient (None: the model's `router_aux_loss_coef`).
+    the load-balancing loss coefficient (None: the model's `router_aux_loss_coef`) and the router
+    z-loss coefficient (None or 0: off).
     """
     layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     on_gpu = torch.cuda.is_available()
@@ -244,8 +246,8 @@ def build_transformer_config(
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     experts_per_rank(cfg.num_experts, expert_parallel)  # divides; a dense model needs parallel.ep=1
     if cfg.is_moe:
-        check_expert_dispatcher(moe_token_dispatcher, layout.pp)
-        kwargs.update(_moe_kwargs(cfg, use_te, expert_parallel, moe_token_dispatcher, moe_aux_loss_coeff))
+        check_expert_dispatcher(moe_token_dispatcher, layout.pp, expert_parallel)
+        kwargs.update(_moe_kwargs(cfg, use_te, expert_parallel, moe_token_dispatcher, moe_aux_loss_coeff, moe_z_loss_coeff))
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     if "cuda_graph_scope" in fields:
         # The default "full" is deprecated (a UserWarning per config); an empty list is its equivalent.
@@ -256,7 +258,12 @@ def build_transformer_config(
 
 
 def _moe_kwargs(
-    cfg: HFModelConfig, use_te: bool, expert_parallel: int, dispatcher: str, aux_loss_coeff: Optional[float]
+    cfg: HFModelConfig,
+    use_te: bool,
+    expert_parallel: int,
+    dispatcher: str,
+    aux_loss_coeff: Optional[float],
+    z_loss_coeff: Optional[float] = None,
 ) -> dict:
     """The TransformerConfig fields of an MoE model (see the module docstring)."""
     kwargs = dict(
@@ -270,6 +277,7 @@ def _moe_kwargs(
         moe_grouped_gemm=use_te,  # TE's grouped GEMM; the local spec runs the experts one by one
         moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=expert_parallel,
+        moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff else None,
     )
     if cfg.shared_expert_ffn_hidden_size is not None:
         kwargs.update(moe_shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, moe_shared_expert_gate=True)
@@ -325,6 +333,7 @@ def build_gpt_models(
     gradient_accumulation_fusion: Optional[bool] = None,
     moe_token_dispatcher: MoEDispatcher = "alltoall",
     moe_aux_loss_coeff: Optional[float] = None,
+    moe_z_loss_coeff: Optional[float] = None,
 ) -> list[torch.nn.Module]:
     """This rank's `GPTModel` chunks (one per virtual-pipeline stage, in order).
 
@@ -335,7 +344,7 @@ def build_gpt_models(
     weight-gradient GEMM, `gpu_kernels.gradient_options`); a model built with it on must be trained
     through Megatron DDP (`actor.optim.prepare_for_training`), which provides ``main_grad``.
     MoE models take the expert-parallel size from Megatron's parallel state and `moe_token_dispatcher`
-    / `moe_aux_loss_coeff` as `build_transformer_config` does.
+    / `moe_aux_loss_coeff` / `moe_z_loss_coeff` as `build_transformer_config` does.
     """
     actual = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
     if actual != (layout.tp, layout.pp):
@@ -363,6 +372,7 @@ def build_gpt_models(
         expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
         moe_token_dispatcher=moe_token_dispatcher,
         moe_aux_loss_coeff=moe_aux_loss_coeff,
+        moe_z_loss_coeff=moe_z_loss_coeff,
     )
     if layout.cp > 1 and not use_te and attention != "sdpa":
         # Megatron's own DotProductAttention refuses CP; the SDPA core attention all-gathers K/V over CP.

@@ -6,7 +6,9 @@ Names follow verl's where verl has one, so that dashboards and the paper's curve
     critic/rewards/{mean,max,min}      score + overlong penalty (what the advantages see)
     critic/advantages/{mean,max,min}, critic/acc/mean
     actor/*                            the update (`MegatronActor.update`): loss, grad_norm, lr, tokens,
-                                       ..., clip fractions and KL under verl's names (pg_clipfrac, ppo_kl)
+                                       ..., clip fractions and KL under verl's names (pg_clipfrac, ppo_kl);
+                                       MoE models: moe_aux_loss, moe_z_loss, moe_load_ratio_{mean,max}
+                                       (`actor.moe`)
     response_length/{mean,max,min,clip_ratio}, prompt_length/{mean,max}    of the train batch
     train/{acc,score}_all_generated, train/overlong_penalty_mean, train/overlong_penalised_frac
                                        every sample generated in the step

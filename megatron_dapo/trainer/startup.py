@@ -189,6 +189,9 @@ def load_models(cfg: Config, hf_config: Any, layout: Any) -> list:
         sequence_parallel=cfg.parallel.sequence_parallel,
         init_weights=False,
         recompute_activations=cfg.model.recompute_activations,
+        moe_token_dispatcher=cfg.moe.token_dispatcher,
+        moe_aux_loss_coeff=cfg.moe.aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe.z_loss_coeff,
     )
     if cfg.model.megatron_checkpoint:
         from megatron_dapo.checkpoint import load_checkpoint

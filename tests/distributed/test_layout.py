@@ -239,6 +239,9 @@ def test_dispatcher_choice():
         check_expert_dispatcher("flex")
     with pytest.raises(ExpertParallelError, match="allgather MoE token dispatcher does not take .* parallel.pp=2: use the alltoall"):
         check_expert_dispatcher("allgather", pp=2)
+    check_expert_dispatcher("alltoall", ep=8)
+    with pytest.raises(ExpertParallelError, match="allgather MoE token dispatcher needs micro-batches of one shape on its parallel.ep=2"):
+        check_expert_dispatcher("allgather", ep=2)
 
 
 def test_validate_expert_parallel_checks_what_is_known():
