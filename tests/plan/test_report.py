@@ -1,4 +1,4 @@
-"""The table `megatron-dapo plan` prints (plan/report.py)."""
+"""The table `megatron-dapo plan` prints (plan/report.py), for a dense model and a mixture of experts."""
 
 from __future__ import annotations
 
@@ -18,3 +18,23 @@ def test_offload_table_lines():
     assert "profiled activation peak (16384 tokens, 1024 seqs)" in table and "in the pool" in table
     assert "KV cache (pool - weights - activation peak)" in table
     assert "result buffers while generating (gathered rollouts)" in table
+
+
+def test_moe_table_shows_experts_apart_from_the_dense_part():
+    plan = plan_for(["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=8"], model="qwen3-30b-a3b")
+    table = mp.format_plan(plan)
+    part = plan.moe.stages[0]
+    assert "(Qwen3MoeForCausalLM, 30.53B parameters, 3.35B active)" in table
+    assert "CP=1 DP=8 EP=8; sequence parallel on" in table
+    assert "mixture of experts: 128 experts per layer, top-8 per token; 28.99B of the 30.53B parameters are experts" in table
+    assert "16 experts per GPU (EP=8), each split over expert-TP=2 (= TP); expert DP=1" in table
+    dense_row = next(line for line in table.splitlines() if line.strip().startswith("dense (0."))
+    expert_row = next(line for line in table.splitlines() if line.strip().startswith("experts (1."))
+    assert f"{part.dense_distributed_optimizer.total / mp.GIB:8.2f} GiB" in dense_row
+    assert f"{part.expert_distributed_optimizer.total / mp.GIB:8.2f} GiB" in expert_row
+    assert f"{part.expert_plain_optimizer.total / mp.GIB:8.2f} GiB" in expert_row
+    assert "dense: attention, embeddings, norms, router; the distributed optimizer shards its state over DP x CP = 8" in table
+    assert "of which token dispatch (alltoall, in + out)" in table and "64.0 KiB" in table
+    dense_table = mp.format_plan(plan_for(["parallel.tp=4", "parallel.sequence_parallel=true"]))
+    for moe_only in ("active)", "EP=", "mixture of experts", "actor by part", "token dispatch"):
+        assert moe_only not in dense_table
