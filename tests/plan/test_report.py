@@ -38,3 +38,30 @@ def test_moe_table_shows_experts_apart_from_the_dense_part():
     dense_table = mp.format_plan(plan_for(["parallel.tp=4", "parallel.sequence_parallel=true"]))
     for moe_only in ("active)", "EP=", "mixture of experts", "actor by part", "token dispatch"):
         assert moe_only not in dense_table
+
+
+def test_cli_plans_a_mixture_of_experts_from_its_config_json(tmp_path, capsys):
+    """`megatron-dapo plan` on a Qwen2-MoE directory (shared expert): JSON with the expert section; a bad
+    EP is the command line's configuration error (exit 2)."""
+    import json
+
+    from megatron_dapo.cli.main import main
+    from tiny_models import tiny_moe_config
+
+    config = tiny_moe_config("qwen2_moe").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["plan", f"model.hf_dir={tmp_path}", "--gpus-per-node", "2", "parallel.ep=2"]
+    assert main([*args, "--json"]) in (0, 3)
+    out = json.loads(capsys.readouterr().out)
+    moe = out["moe"]
+    assert (moe["ep"], moe["expert_dp"], moe["experts_per_rank"], moe["shared_expert"]) == (2, 1, 2, True)
+    stage = moe["stages"][0]
+    assert stage["expert_parameters"] == 2 * 2 * 3 * 64 * 32  # 2 layers x 2 local experts of width 32
+    assert out["stages"][0]["parameters"] == stage["dense_parameters"] + stage["expert_parameters"]
+    main(args)
+    assert "dense: attention, embeddings, norms, router, shared expert;" in capsys.readouterr().out
+    assert main(["plan", f"model.hf_dir={tmp_path}", "--gpus-per-node", "3", "parallel.ep=3", *BATCH_OF_3]) == 2
+    assert "megatron-dapo: error: parallel.ep=3 does not divide the model's num_experts=4" in capsys.readouterr().err
+
+
+BATCH_OF_3 = ["trainer.train_batch_size=3", "trainer.gen_batch_size=3", "trainer.ppo_mini_batch_size=3"]  # splits over 3 ranks
