@@ -13,10 +13,10 @@ generates (`actor/offload.py`).
 Mixtures of experts: Megatron keeps the routed experts in their own DDP buffers and optimizer
 shards (`parameters.StageParameters`). The dense part's main weights and moments are sharded over
 DP x CP as above; an expert's over the ranks that hold a copy of it, the expert data-parallel group
-of DP x CP x TP / (EP x expert-TP) = DP x CP / EP ranks (expert-TP = TP;
-`distributed.layout.expert_data_parallel_size`). The weights and the grad
-buffer of both parts stay whole on every rank. So EP divides the expert weights and grads per GPU
-but not their optimizer state: EP x expert-DP is DP x CP whatever EP is.
+of DP x CP x TP / (EP x expert-TP) = DP x CP / EP ranks (expert-TP = TP:
+`distributed.layout.expert_data_parallel_size`). The weights and the grad buffer of both parts stay
+whole on every rank. So EP divides the experts' weights and grads per GPU but not their optimizer
+state: EP x expert DP is DP x CP whatever EP is.
 
 Rollout engine: bf16 weights split over `rollout.tp` (`parameters.rollout_weight_parameters`);
 KV cache per token = 2 (K, V) x layers x KV heads per GPU x head_dim x 2 B; KV pool = engine pool
@@ -36,9 +36,9 @@ vLLM 0.8.5 logged for Qwen2.5-7B at 32768 tokens (4.34), (b) the 1.19-1.24 GiB i
 Llama-3.1-8B with 256 sequences (1.22); for Qwen's 152k vocabulary and 1024 sequences the sampler
 dominates: about 6.4 GiB, whatever the model size. For a mixture of experts the forward's MLP
 term is the fused-MoE workspace instead (vLLM's `fused_experts_impl`: per token top-k x
-(max(2I/TP, h) + I/TP) for the gate/up output, reused for the down output, and the activation),
-plus the shared expert's 3I_shared/TP. Non-torch memory (NCCL, custom all-reduce: 0.1
-to 0.4 GiB in published logs) and the CUDA graph estimate also come out of the pool and are not
+(max(2I/TP, h) + I/TP), the gate/up output, reused for the down output, and the activation), plus
+the shared expert's 3I_shared/TP. Non-torch memory (NCCL, custom all-reduce: 0.1 to 0.4 GiB in
+published logs) and the CUDA graph estimate also come out of the pool and are not
 modelled: the KV cache is that much smaller than shown. SGLang's `mem_fraction_static` holds
 weights and KV only; its activations run outside it, so for SGLang the same estimate is counted
 next to the pool instead of inside.
@@ -149,8 +149,9 @@ def vllm_activation_peak(
     """Estimated peak of vLLM's start-up profiling run, which vLLM subtracts from its pool (module doc).
 
     The larger of the forward over `max_num_batched_tokens` tokens, 2 bytes x (3f/TP + 4h) per token
-    (a mixture of experts: its fused-MoE workspace in place of 3f/TP), and the sampler over `max_num_seqs` rows of the full (TP-gathered) vocabulary,
-    `VLLM_SAMPLER_BYTES_PER_LOGIT` (+4 with processed log-probs) per entry.
+    (a mixture of experts: its fused-MoE workspace in place of 3f/TP), and the sampler over
+    `max_num_seqs` rows of the full (TP-gathered) vocabulary, `VLLM_SAMPLER_BYTES_PER_LOGIT` (+4 with
+    processed log-probs) per entry.
     """
     h = model.hidden_size
     forward = max_num_batched_tokens * 2 * (_engine_mlp_width(model, rollout_tp) + 4 * h)

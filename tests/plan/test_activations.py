@@ -147,7 +147,8 @@ def test_token_dispatch_buffers():
     assert mp.dispatch_buffer_bytes_per_token(known("qwen2.5-7b"), 1) == 0
     for recompute in (False, True):
         plain = mp.stage_activation_bytes(model, 2, 1, 0, sequence_parallel=True, recompute=recompute, ep=8)
-        layers = 48 * (mp.layer_input_bytes_per_token(model, 2, True) if recompute else mp.layer_activation_bytes_per_token(model, 2, True))
-        one_layer = mp.layer_activation_bytes_per_token(model, 2, True) if recompute else 0
+        full_layer = mp.layer_activation_bytes_per_token(model, 2, True)
+        layers = 48 * (mp.layer_input_bytes_per_token(model, 2, True) if recompute else full_layer)
+        one_layer = full_layer if recompute else 0
         output = mp.TOKEN_ID_BYTES + mp.output_activation_bytes_per_token(model, 2, True)
         assert plain.per_token == pytest.approx(layers + one_layer + output + 2 * 8 * 2 * 2048, rel=1e-12)

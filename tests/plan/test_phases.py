@@ -172,7 +172,8 @@ def test_result_buffers_are_two_engines_of_gathered_rollouts():
 
 
 MOE = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=8"]
-BATCH_OF_24 = ["trainer.train_batch_size=24", "trainer.gen_batch_size=24", "trainer.ppo_mini_batch_size=24"]  # splits over 12 ranks
+# A batch that splits over 12 data-parallel ranks.
+BATCH_OF_24 = ["trainer.train_batch_size=24", "trainer.gen_batch_size=24", "trainer.ppo_mini_batch_size=24"]
 
 
 @pytest.mark.parametrize(
@@ -204,7 +205,8 @@ def test_moe_plan_sums_the_parts_and_dense_plans_have_none():
     assert moe.dispatch_bytes_per_token == 2 * 8 * 2 * 2048 and moe.dispatcher == "alltoall"
     stage, part = plan.stages[0], moe.stages[0]
     assert stage.parameters == part.dense_parameters + part.expert_parameters
-    assert stage.actor.total == pytest.approx(part.dense_distributed_optimizer.total + part.expert_distributed_optimizer.total)
+    by_part = part.dense_distributed_optimizer.total + part.expert_distributed_optimizer.total
+    assert stage.actor.total == pytest.approx(by_part)
     full = mp.stage_activation_bytes(known("qwen3-30b-a3b"), 2, 1, 0, sequence_parallel=True, recompute=True, ep=8)
     assert stage.activation_per_token == full.per_token
     assert any("routing counted as balanced" in note for note in plan.notes)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from megatron_dapo import plan as mp
 from tests.plan.conftest import OFFLOAD_ALL, plan_for
 
+BATCH_OF_3 = ["trainer.train_batch_size=3", "trainer.gen_batch_size=3", "trainer.ppo_mini_batch_size=3"]  # splits over 3 ranks
+
 
 def test_offload_table_lines():
     table = mp.format_plan(plan_for(["parallel.tp=4", "parallel.sequence_parallel=true", "rollout.tp=2", "rollout.engine=vllm", *OFFLOAD_ALL]))
@@ -63,5 +65,3 @@ def test_cli_plans_a_mixture_of_experts_from_its_config_json(tmp_path, capsys):
     assert main(["plan", f"model.hf_dir={tmp_path}", "--gpus-per-node", "3", "parallel.ep=3", *BATCH_OF_3]) == 2
     assert "megatron-dapo: error: parallel.ep=3 does not divide the model's num_experts=4" in capsys.readouterr().err
 
-
-BATCH_OF_3 = ["trainer.train_batch_size=3", "trainer.gen_batch_size=3", "trainer.ppo_mini_batch_size=3"]  # splits over 3 ranks
