@@ -1,6 +1,7 @@
-"""The Qwen2.5-7B and Qwen2.5-32B DAPO recipes: they load, fit the world they are written for,
-carry the paper's settings, require Transformer Engine, and fit H100 80GB GPUs (79.1 GiB as torch
-reports them) by the memory planner, whose figures their comments quote."""
+"""The DAPO recipes (Qwen2.5-7B, Qwen2.5-32B, the mixture of experts Qwen3-30B-A3B): they load, fit
+the world they are written for, carry the paper's settings, require Transformer Engine, and fit
+H100 80GB GPUs (79.1 GiB as torch reports them) by the memory planner, whose figures their comments
+quote."""
 
 from __future__ import annotations
 
@@ -15,11 +16,25 @@ from megatron_dapo.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-# recipe file -> (built-in model, nodes of 8 GPUs it is laid out for: slurm/dapo_qwen2.5_*.sbatch)
+# recipe file -> (built-in model, nodes of 8 GPUs it is laid out for: slurm/dapo_*.sbatch)
 RECIPES = {
     "dapo_qwen2.5_7b.yaml": ("qwen2.5-7b", 2),
     "dapo_qwen2.5_32b.yaml": ("qwen2.5-32b", 4),
+    "dapo_qwen3_30b_a3b.yaml": ("qwen3-30b-a3b", 2),
 }
+MOE_RECIPES = sorted(name for name, (model, _) in RECIPES.items() if mp.known_model(model).is_moe)
+
+
+def test_every_recipe_and_its_sbatch_script_are_covered():
+    recipes = {path.name for path in CONFIGS.glob("dapo_*.yaml")}
+    assert recipes == set(RECIPES)
+    slurm = CONFIGS.parent / "slurm"
+    for name in recipes:
+        script = (slurm / name.replace(".yaml", ".sbatch")).read_text()
+        nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", script, re.M).group(1))
+        assert nodes == RECIPES[name][1], name
+        assert f"dapo_train configs/{name} " in script and "--ntasks-per-node=8" in script and "--gpus-per-node=8" in script
+    assert MOE_RECIPES == ["dapo_qwen3_30b_a3b.yaml"]
 
 
 @pytest.fixture(autouse=True)
@@ -158,3 +173,52 @@ def test_recipe_offloads_the_actor_while_generating(name):
         mp.known_model(model_name), mp.ClusterShape(nodes=nodes),
     )  # fmt: skip
     assert resident.fits and r.concurrent_full_sequences > resident.rollout.concurrent_full_sequences
+
+
+@pytest.mark.parametrize("name", MOE_RECIPES)
+def test_moe_recipe_layout_and_its_quoted_expert_figures(name):
+    """Expert parallelism within the model and the world, and the planner's expert lines the header quotes."""
+    model_name, nodes = RECIPES[name]
+    cfg = load_config(CONFIGS / name).resolve_world(nodes * 8)
+    model = mp.known_model(model_name)
+    p = cfg.parallel
+    assert p.ep > 1 and model.num_experts % p.ep == 0 and (p.dp * p.cp) % p.ep == 0
+    plan = mp.plan_memory(cfg, model, mp.ClusterShape(nodes=nodes), model_name=model_name)
+    moe, r = plan.moe, plan.rollout
+    part = moe.stages[plan.binding_stage]
+    text = (CONFIGS / name).read_text()
+    expected_lines = [
+        f"parameters: {plan.hf_parameters / 1e9:.2f}B, {moe.active_parameters / 1e9:.2f}B active per token; "
+        f"{moe.experts_per_rank} experts per GPU (EP={moe.ep}), expert DP={moe.expert_dp}",
+        f"of which token dispatch ({moe.dispatcher}, in + out) {moe.dispatch_bytes_per_token / 1024:.1f} KiB",
+        f"{r.kv_bytes_per_token / 1024:.1f} KiB/token",
+    ]
+    for line in expected_lines:
+        assert line in text, line
+    # The actor state by part: "dense (0.777B parameters)   5.43 GiB / 13.03 GiB" (dist. optimizer / none).
+    for label, count, memory in [
+        ("dense", part.dense_parameters, (part.dense_distributed_optimizer, part.dense_plain_optimizer)),
+        ("experts", part.expert_parameters, (part.expert_distributed_optimizer, part.expert_plain_optimizer)),
+    ]:
+        quoted = re.search(rf"^#     {label} \(([\d.]+)B parameters\) +([\d.]+) GiB / ([\d.]+) GiB$", text, re.M)
+        assert quoted, label
+        assert quoted.groups() == (f"{count / 1e9:.3f}", *(f"{m.total / mp.GIB:.2f}" for m in memory)), label
+    stage = plan.stages[plan.binding_stage]
+    headroom = plan.gpu_memory - max(s.training_total for s in plan.stages)
+    assert f"{headroom / mp.GIB:.1f} GiB under the GPU's memory" in text
+    assert f"without\n#   recompute a micro-batch holds {stage.max_tokens_no_recompute} tokens" in text
+
+    # The alternatives the header weighs, as the planner sees them: TP=4 x EP=4 on the same GPUs, and one node.
+    def alternative(overrides, alternative_nodes):
+        alt_cfg = load_config(CONFIGS / name, overrides)
+        return mp.plan_memory(alt_cfg, model, mp.ClusterShape(nodes=alternative_nodes), model_name=model_name)
+
+    wider = alternative(["parallel.tp=4", "parallel.ep=4"], nodes)
+    assert wider.fits
+    assert f"({wider.stages[0].actor.total / mp.GIB:.1f} GiB of actor state, a {wider.max_tokens_per_micro_batch}-token" in text
+    one_node = {(tp, ep): alternative([f"parallel.tp={tp}", f"parallel.ep={ep}", "trainer.max_tokens_per_micro_batch=22528"], 1)
+                for tp, ep in [(1, 8), (2, 4), (4, 2), (1, 4), (2, 2)]}  # fmt: skip
+    assert [layout for layout, one in one_node.items() if one.fits] == [(4, 2)]
+    least = min(one.moe.stages[0].expert_distributed_optimizer.total for one in one_node.values())
+    assert f"take at least {least / mp.GIB:.2f} GiB per GPU" in text
+    assert f"with a\n#   {one_node[4, 2].max_tokens_per_micro_batch}-token micro-batch budget" in text

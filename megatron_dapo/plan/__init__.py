@@ -7,7 +7,8 @@
 All figures are bytes per GPU. One module per step of the reckoning:
 
     shapes.py       the model (`KNOWN_MODELS` or `model.hf_dir`) and the cluster (`GPU_MODELS`) planned for
-    parameters.py   parameter counts: the HF total, per pipeline stage, per rollout-engine GPU
+    parameters.py   parameter counts: the HF total (and a mixture of experts' active ones), per pipeline
+                    stage (dense and expert parts), per rollout-engine GPU
     memory.py       bytes of the actor state (optimizer, offload) and of the rollout engine (KV cache,
                     vLLM's profiled activations, the gathered results)
     activations.py  bytes the actor update keeps per token of a micro-batch, per pipeline stage
@@ -22,9 +23,11 @@ from megatron_dapo.plan.activations import (
     LOGPROB_CHUNK_TOKENS,
     TOKEN_ID_BYTES,
     StageActivation,
+    dispatch_buffer_bytes_per_token,
     in_flight_microbatches,
     layer_activation_bytes_per_token,
     layer_input_bytes_per_token,
+    moe_activation_bytes_per_token,
     output_activation_bytes_per_token,
     stage_activation_bytes,
 )
@@ -38,12 +41,23 @@ from megatron_dapo.plan.memory import (
 )
 from megatron_dapo.plan.parameters import (
     LayerParameters,
+    StageParameters,
+    hf_active_parameter_count,
     hf_parameter_count,
     layer_parameters,
     rollout_weight_parameters,
+    stage_parameter_split,
     stage_parameters,
 )
-from megatron_dapo.plan.phases import DEFAULT_RESERVE_GIB, MemoryPlan, RolloutMemory, StageMemory, plan_memory
+from megatron_dapo.plan.phases import (
+    DEFAULT_RESERVE_GIB,
+    ExpertPlan,
+    ExpertStageMemory,
+    MemoryPlan,
+    RolloutMemory,
+    StageMemory,
+    plan_memory,
+)
 from megatron_dapo.plan.report import format_plan, format_utilization
 from megatron_dapo.plan.shapes import (
     DEFAULT_GPU,
@@ -61,6 +75,8 @@ __all__ = [
     "ClusterShape",
     "DEFAULT_GPU",
     "DEFAULT_RESERVE_GIB",
+    "ExpertPlan",
+    "ExpertStageMemory",
     "GIB",
     "GPU_MODELS",
     "GPUModel",
@@ -71,10 +87,13 @@ __all__ = [
     "RolloutMemory",
     "StageActivation",
     "StageMemory",
+    "StageParameters",
     "TOKEN_ID_BYTES",
     "actor_memory",
+    "dispatch_buffer_bytes_per_token",
     "format_plan",
     "format_utilization",
+    "hf_active_parameter_count",
     "hf_parameter_count",
     "in_flight_microbatches",
     "known_model",
@@ -82,12 +101,14 @@ __all__ = [
     "layer_activation_bytes_per_token",
     "layer_input_bytes_per_token",
     "layer_parameters",
+    "moe_activation_bytes_per_token",
     "output_activation_bytes_per_token",
     "plan_memory",
     "resolve_model",
     "result_buffer_bytes",
     "rollout_weight_parameters",
     "stage_activation_bytes",
+    "stage_parameter_split",
     "stage_parameters",
     "vllm_activation_peak",
     "vllm_batch_defaults",

@@ -30,6 +30,22 @@ one gradient of the same size), plus two fp32 [chunk x V/TP] buffers of the chun
 
 Context parallelism: a rank computes 1/CP of each sequence, so the per-token figures are per token a
 rank computes and a micro-batch holds CP times the budget in sequence tokens.
+
+Mixtures of experts (Megatron's MoE layer, routing balanced over the experts): attention and the
+four h-wide inputs are as above; the dense MLP's terms give way to
+  router scores 6E/s (the fp32 softmax over all E experts the load-balancing loss keeps, the bf16
+  routing probabilities); the experts' input rows, top-k per token, 2h each: the permuted tokens as
+  the experts' first linear keeps them, after the token dispatcher's all-to-all over EP and its
+  gather over expert-TP (= TP), so every rank of an EP x TP grid holds top-k rows per token of its
+  micro-batch whatever EP and TP are; per row the gate/up output 4I/TP and the activation times the
+  routing probability 2I/TP (I = moe_intermediate_size; Megatron applies the probabilities inside
+  the experts: 4 bytes of them per row), the unfused local path also silu(gate) and the product
+  before the probabilities (4I/TP); and Qwen2-MoE's shared expert as a SwiGLU of its width.
+While a layer runs, its token dispatcher also holds the permuted tokens going to the experts and
+the experts' outputs coming back (in and out: 2 x top-k rows x 2h per token), counted once per stage
+like the recomputed layer (`dispatch_buffer_bytes_per_token`); the allgather dispatcher gathers
+the hidden states of the whole EP x TP group besides (EP rows per token, in and out). A rank whose
+experts draw more than their share of the tokens holds more: Megatron sets no capacity factor.
 """
 
 from __future__ import annotations
@@ -46,6 +62,11 @@ LOGPROB_CHUNK_TOKENS = 4096
 """Tokens per fp32 chunk of the vocab-parallel log-prob (the actor's `logprob_chunk_size` default)."""
 TOKEN_ID_BYTES = 8
 """int64 token ids kept per in-flight micro-batch on the first stage."""
+ROUTER_BYTES_PER_EXPERT = 6
+"""Per token and expert, what an MoE layer's router keeps: the fp32 softmax of the load-balancing loss
+and the bf16 routing probabilities."""
+ROUTING_PROBABILITY_BYTES = 4
+"""The fp32 routing probability of each expert input row, which the experts multiply their activation by."""
 
 
 def _sequence_split(tp: int, sequence_parallel: bool) -> int:
@@ -71,15 +92,41 @@ def layer_activation_bytes_per_token(
     """
     h, a, g, d, f = model_dims(model)
     s = _sequence_split(tp, sequence_parallel)
-    replicated = 4 * 2 * h / s  # inputs of the two norms, of the QKV projection and of FC1
+    replicated = 4 * 2 * h / s  # inputs of the two norms, of the QKV projection and of FC1 (MoE: router, shared expert)
     if dropout_masks:
         replicated += 2 * h / s
     split = 2 * (a + 2 * g) * d  # Q, K, V as flash attention saves them
     split += 2 * a * d  # attention output = input of the output projection
+    if model.is_moe:
+        return replicated + split / tp + moe_activation_bytes_per_token(model, tp, sequence_parallel, fused_swiglu=fused_swiglu)
     split += (4 * f if gated_mlp else 2 * f) + 2 * f  # FC1 output (activation input), activation output
     if gated_mlp and not fused_swiglu:
         split += 2 * f  # autograd also keeps silu(gate) for the product's backward
     return replicated + split / tp
+
+
+def moe_activation_bytes_per_token(
+    model: HFModelConfig, tp: int, sequence_parallel: bool, *, fused_swiglu: bool = True
+) -> float:
+    """What an MoE layer keeps for backward per token besides attention and the h-wide inputs (module
+    doc): router scores, the top-k expert input rows and their SwiGLU intermediates, the shared expert."""
+    s = _sequence_split(tp, sequence_parallel)
+    h, width = model.hidden_size, model.moe_ffn_hidden_size or 0
+    per_row = 2 * h + ROUTING_PROBABILITY_BYTES + (6 * width + (0 if fused_swiglu else 4 * width)) / tp
+    shared = model.shared_expert_ffn_hidden_size or 0
+    shared_bytes = (6 * shared + (0 if fused_swiglu else 2 * shared)) / tp
+    return ROUTER_BYTES_PER_EXPERT * model.num_experts / s + model.num_experts_per_tok * per_row + shared_bytes
+
+
+def dispatch_buffer_bytes_per_token(model: HFModelConfig, ep: int = 1, dispatcher: str = "alltoall") -> float:
+    """Bytes the token dispatcher of the MoE layer being run holds per token beyond what the layers keep
+    (module doc): the permuted tokens in and the experts' outputs out, top-k rows of 2h bytes each, and
+    under the allgather dispatcher the EP x TP group's gathered hidden states (EP rows) in and out too;
+    0 for a dense model."""
+    if not model.is_moe:
+        return 0.0
+    rows = model.num_experts_per_tok + (ep if dispatcher == "allgather" else 0)
+    return 2 * rows * 2 * model.hidden_size
 
 
 def layer_input_bytes_per_token(model: HFModelConfig, tp: int, sequence_parallel: bool) -> float:
@@ -134,8 +181,13 @@ def stage_activation_bytes(
     gated_mlp: bool = True,
     dropout_masks: bool = False,
     fused_swiglu: bool = True,
+    ep: int = 1,
+    moe_dispatcher: str = "alltoall",
 ) -> StageActivation:
     """Peak activation memory of one pipeline stage's rank during the actor update.
+
+    A mixture of experts adds the token dispatcher's buffers of the layer being run (`ep`,
+    `moe_dispatcher`: `dispatch_buffer_bytes_per_token`).
 
     Per token the rank computes: under context parallelism a rank computes 1/CP of every sequence (its
     2 of the 2*CP chunks), so `per_token` does not depend on CP, while a micro-batch of ``n`` sequence
@@ -152,6 +204,8 @@ def stage_activation_bytes(
         per_token = in_flight * layers * layer_input_bytes_per_token(model, tp, sequence_parallel) + full_layer
     else:
         per_token = in_flight * layers * full_layer
+    if model.is_moe:
+        per_token += dispatch_buffer_bytes_per_token(model, ep, moe_dispatcher)
     fixed = 0.0
     if stage == 0:
         per_token += in_flight * TOKEN_ID_BYTES

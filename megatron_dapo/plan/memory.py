@@ -10,6 +10,14 @@ numbers Megatron's own `theoretical_memory_usage.py` uses. The reference model (
 takes params, grads or optimizer state (main weights + moments) off the GPU while the engine
 generates (`actor/offload.py`).
 
+Mixtures of experts: Megatron keeps the routed experts in their own DDP buffers and optimizer
+shards (`parameters.StageParameters`). The dense part's main weights and moments are sharded over
+DP x CP as above; an expert's over the ranks that hold a copy of it, the expert data-parallel group
+of DP x CP x TP / (EP x expert-TP) = DP x CP / EP ranks (expert-TP = TP:
+`distributed.layout.expert_data_parallel_size`). The weights and the grad buffer of both parts stay
+whole on every rank. So EP divides the experts' weights and grads per GPU but not their optimizer
+state: EP x expert DP is DP x CP whatever EP is.
+
 Rollout engine: bf16 weights split over `rollout.tp` (`parameters.rollout_weight_parameters`);
 KV cache per token = 2 (K, V) x layers x KV heads per GPU x head_dim x 2 B; KV pool = engine pool
 - weights - vLLM's profiled activation peak.
@@ -26,8 +34,11 @@ vocabulary entry (the logits gathered over TP in bf16 and fp32, sorting for top-
 noise), plus 4 for the log-probs our `processed_logprobs` mode keeps. (a) reproduces the 4.35 GiB
 vLLM 0.8.5 logged for Qwen2.5-7B at 32768 tokens (4.34), (b) the 1.19-1.24 GiB it logs for
 Llama-3.1-8B with 256 sequences (1.22); for Qwen's 152k vocabulary and 1024 sequences the sampler
-dominates: about 6.4 GiB, whatever the model size. Non-torch memory (NCCL, custom all-reduce: 0.1
-to 0.4 GiB in published logs) and the CUDA graph estimate also come out of the pool and are not
+dominates: about 6.4 GiB, whatever the model size. For a mixture of experts the forward's MLP
+term is the fused-MoE workspace instead (vLLM's `fused_experts_impl`: per token top-k x
+(max(2I/TP, h) + I/TP), the gate/up output, reused for the down output, and the activation), plus
+the shared expert's 3I_shared/TP. Non-torch memory (NCCL, custom all-reduce: 0.1 to 0.4 GiB in
+published logs) and the CUDA graph estimate also come out of the pool and are not
 modelled: the KV cache is that much smaller than shown. SGLang's `mem_fraction_static` holds
 weights and KV only; its activations run outside it, so for SGLang the same estimate is counted
 next to the pool instead of inside.
@@ -73,6 +84,14 @@ class ActorMemory:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.main_params + self.optimizer
+
+    def __add__(self, other: ActorMemory) -> ActorMemory:
+        return ActorMemory(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.main_params + other.main_params,
+            self.optimizer + other.optimizer,
+        )
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -129,15 +148,26 @@ def vllm_activation_peak(
 ) -> float:
     """Estimated peak of vLLM's start-up profiling run, which vLLM subtracts from its pool (module doc).
 
-    The larger of the forward over `max_num_batched_tokens` tokens, 2 bytes x (3f/TP + 4h) per token,
-    and the sampler over `max_num_seqs` rows of the full (TP-gathered) vocabulary,
-    `VLLM_SAMPLER_BYTES_PER_LOGIT` (+4 with processed log-probs) per entry.
+    The larger of the forward over `max_num_batched_tokens` tokens, 2 bytes x (3f/TP + 4h) per token
+    (a mixture of experts: its fused-MoE workspace in place of 3f/TP), and the sampler over
+    `max_num_seqs` rows of the full (TP-gathered) vocabulary, `VLLM_SAMPLER_BYTES_PER_LOGIT` (+4 with
+    processed log-probs) per entry.
     """
-    h, f = model.hidden_size, model.ffn_hidden_size
-    forward = max_num_batched_tokens * 2 * (3 * f / rollout_tp + 4 * h)
+    h = model.hidden_size
+    forward = max_num_batched_tokens * 2 * (_engine_mlp_width(model, rollout_tp) + 4 * h)
     per_logit = VLLM_SAMPLER_BYTES_PER_LOGIT + (PROCESSED_LOGPROBS_BYTES_PER_LOGIT if processed_logprobs else 0)
     sampler = max_num_seqs * model.vocab_size * per_logit
     return float(max(forward, sampler))
+
+
+def _engine_mlp_width(model: HFModelConfig, rollout_tp: int) -> float:
+    """Elements per token of the engine's MLP intermediates on one GPU (module doc): the SwiGLU's
+    3f/TP, or the fused-MoE workspace of the top-k experts plus the shared expert."""
+    if not model.is_moe:
+        return 3 * model.ffn_hidden_size / rollout_tp
+    width = (model.moe_ffn_hidden_size or 0) / rollout_tp
+    shared = 3 * (model.shared_expert_ffn_hidden_size or 0) / rollout_tp
+    return model.num_experts_per_tok * (max(2 * width, model.hidden_size) + width) + shared
 
 
 def result_buffer_bytes(responses_per_engine: int, n: int, max_prompt_length: int, max_response_length: int) -> float:

@@ -30,6 +30,12 @@ The reserve (`--reserve-gib`) stands for what no formula here counts: the CUDA c
 buffers, allocator fragmentation with varying micro-batch shapes, and small per-token inputs
 (position ids, labels, the per-token loss inputs: tens of bytes per token).
 
+A mixture of experts is planned the same way, its actor state summed from a dense part and the
+routed experts (`parameters.StageParameters`, `memory.py`: each part's optimizer state sharded over
+its own data-parallel group) and its activations with the MoE layer's terms and the token
+dispatcher's buffers (`activations.py`; the alltoall dispatcher, `model/builder.py`'s default);
+`MemoryPlan.moe` holds the split by part (None for a dense model).
+
 The largest `trainer.max_tokens_per_micro_batch` is then (GPU - reserve - fixed) / per-token on
 the pipeline stage where it is smallest. At a fixed world size, TP and PP the actor state per GPU
 does not change with CP (the distributed optimizer shards over DP x CP, a constant), so the plan
@@ -44,7 +50,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_dapo.config import Config, validate_model_shape, validate_world
-from megatron_dapo.plan.activations import StageActivation, stage_activation_bytes
+from megatron_dapo.distributed.layout import expert_data_parallel_size
+from megatron_dapo.plan.activations import StageActivation, dispatch_buffer_bytes_per_token, stage_activation_bytes
 from megatron_dapo.plan.memory import (
     OFFLOAD_KINDS,
     ActorMemory,
@@ -58,9 +65,12 @@ from megatron_dapo.plan.memory import (
 )
 from megatron_dapo.plan.parameters import (
     check_tensor_parallel,
+    hf_active_parameter_count,
     hf_parameter_count,
+    layer_parameters,
+    local_experts,
     rollout_weight_parameters,
-    stage_parameters,
+    stage_parameter_split,
 )
 from megatron_dapo.plan.shapes import GIB, ClusterShape
 
@@ -69,6 +79,8 @@ if TYPE_CHECKING:  # megatron_dapo.model imports torch: kept out of `megatron-da
 
 DEFAULT_RESERVE_GIB = 6.0
 """GiB kept free for what no formula counts (module doc): `--reserve-gib`."""
+MOE_DISPATCHER = "alltoall"
+"""The token dispatcher the actor's MoE layers use (`model/builder.py`'s default; the only one with PP > 1)."""
 
 
 @dataclass
@@ -145,6 +157,45 @@ class RolloutMemory:
 
 
 @dataclass
+class ExpertStageMemory:
+    """One pipeline stage's rank of a mixture of experts, its actor state by part."""
+
+    stage: int
+    dense_parameters: int
+    """Attention, embeddings, norms, router, shared expert: optimizer state sharded over DP x CP."""
+    expert_parameters: int
+    """This rank's routed experts: optimizer state sharded over the expert data-parallel group."""
+    dense_distributed_optimizer: ActorMemory
+    dense_plain_optimizer: ActorMemory
+    expert_distributed_optimizer: ActorMemory
+    expert_plain_optimizer: ActorMemory
+
+
+@dataclass
+class ExpertPlan:
+    """What a mixture of experts adds to the plan."""
+
+    num_experts: int
+    experts_per_token: int
+    shared_expert: bool
+    """Qwen2-MoE's shared expert (part of the dense parameters)."""
+    ep: int
+    expert_tp: int
+    """Ranks each expert's matrices split over: TP (Megatron's default, kept by `model/builder.py`)."""
+    expert_dp: int
+    """Ranks holding a copy of each expert: DP x CP / EP, the distributed optimizer's shards of expert state."""
+    experts_per_rank: int
+    hf_expert_parameters: int
+    """The routed experts of all layers (of `MemoryPlan.hf_parameters`)."""
+    active_parameters: int
+    """Parameters one token goes through (dense part + top-k experts): what training FLOPs scale with."""
+    dispatcher: str
+    dispatch_bytes_per_token: float
+    """The token dispatcher's buffers of the layer being run, per token (included in the activations)."""
+    stages: list[ExpertStageMemory]
+
+
+@dataclass
 class MemoryPlan:
     model_name: str
     architecture: str
@@ -183,6 +234,8 @@ class MemoryPlan:
     training_fits: bool
     rollout_fits: bool
     notes: list[str] = field(default_factory=list)
+    moe: Optional[ExpertPlan] = None
+    """Mixtures of experts only: the actor state by part, EP, active parameters, dispatch buffers."""
 
     @property
     def fits(self) -> bool:
@@ -194,6 +247,13 @@ class MemoryPlan:
         for stage, raw in zip(self.stages, out["stages"]):
             for key in ("actor", "actor_distributed_optimizer", "actor_plain_optimizer"):
                 raw[key]["total"] = getattr(stage, key).total
+        if self.moe is None:
+            del out["moe"]  # a dense model's JSON has no MoE section
+        else:
+            for stage, raw in zip(self.moe.stages, out["moe"]["stages"]):
+                for key in ("dense", "expert"):
+                    for optimizer in ("distributed_optimizer", "plain_optimizer"):
+                        raw[f"{key}_{optimizer}"]["total"] = getattr(stage, f"{key}_{optimizer}").total
         return out
 
 
@@ -214,8 +274,9 @@ def plan_memory(
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_key_value_heads,
         "num_hidden_layers": model.num_layers,
+        "num_experts": model.num_experts,
     }
-    validate_model_shape(cfg, shape)  # heads, query groups and layers: the config's own messages
+    validate_model_shape(cfg, shape)  # heads, query groups, layers, experts vs EP: the config's own messages
     check_tensor_parallel(model, p.tp, "parallel.tp")  # adds the FFN split
     gpu = cluster.gpu_memory_bytes
     reserve = reserve_gib * GIB
@@ -243,11 +304,29 @@ def plan_memory(
     engine_in_training = not r.free_cache_engine
 
     stages = []
+    expert_stages = []
+    expert_dp = expert_data_parallel_size(world, p.ep, p.tp, p.pp, p.cp)
     for stage in range(p.pp):
-        params = stage_parameters(model, p.tp, p.pp, stage)
-        with_dist = actor_memory(params, cfg.model.dtype, dp * p.cp)
-        plain = actor_memory(params, cfg.model.dtype, 1)
-        actor = actor_memory(params, cfg.model.dtype, shards)
+        split = stage_parameter_split(model, p.tp, p.pp, stage, p.ep)
+        params = split.total
+        if model.is_moe:
+            parts = ExpertStageMemory(
+                stage=stage,
+                dense_parameters=split.dense,
+                expert_parameters=split.expert,
+                dense_distributed_optimizer=actor_memory(split.dense, cfg.model.dtype, dp * p.cp),
+                dense_plain_optimizer=actor_memory(split.dense, cfg.model.dtype, 1),
+                expert_distributed_optimizer=actor_memory(split.expert, cfg.model.dtype, expert_dp),
+                expert_plain_optimizer=actor_memory(split.expert, cfg.model.dtype, 1),
+            )
+            expert_stages.append(parts)
+            with_dist = parts.dense_distributed_optimizer + parts.expert_distributed_optimizer
+            plain = parts.dense_plain_optimizer + parts.expert_plain_optimizer
+            actor = with_dist if p.use_distributed_optimizer else plain
+        else:
+            with_dist = actor_memory(params, cfg.model.dtype, dp * p.cp)
+            plain = actor_memory(params, cfg.model.dtype, 1)
+            actor = actor_memory(params, cfg.model.dtype, shards)
         reference = params * param_bytes if reference_built else 0.0
         common = dict(
             vpp=p.vpp,
@@ -255,6 +334,8 @@ def plan_memory(
             sequence_parallel=sp,
             temperature=r.temperature,
             fused_swiglu=cfg.model.transformer_engine != "off",  # Megatron fuses it only with TE on GPU
+            ep=p.ep,
+            moe_dispatcher=MOE_DISPATCHER,
         )
         none = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=False, **common)
         full = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=True, **common)
@@ -364,8 +445,14 @@ def plan_memory(
             "model.transformer_engine=off: the local layer spec runs right-padded rows (no packing), so a "
             "micro-batch's tokens count its padding (rows x longest row); SwiGLU counted unfused"
         )
+    if model.is_moe:
+        notes.append(
+            "mixture of experts: routing counted as balanced (each expert's rank gets its share of the tokens); "
+            "a rank whose experts draw more tokens holds more dispatch and expert activations"
+        )
     # At a fixed world size, TP and PP the actor state per GPU does not depend on CP (the distributed
-    # optimizer shards over DP x CP, a constant), so the longest sequence grows exactly with CP.
+    # optimizer shards over DP x CP and the experts' over DP x CP / EP, constants), so the longest
+    # sequence grows exactly with CP.
     longest_per_micro_batch = binding.max_tokens * p.cp
     wanted = math.ceil(longest / binding.max_tokens) if binding.max_tokens > 0 else None
     cp_choices = [c for c in range(1, world // (p.tp * p.pp) + 1) if (world // (p.tp * p.pp)) % c == 0]
@@ -409,5 +496,23 @@ def plan_memory(
         training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
         rollout_fits=rollout_total <= gpu and rollout.concurrent_full_sequences >= 1,
         notes=notes,
+        moe=_expert_plan(model, p.ep, p.tp, expert_dp, expert_stages) if model.is_moe else None,
+    )
+
+
+def _expert_plan(model: HFModelConfig, ep: int, tp: int, expert_dp: int, stages: list[ExpertStageMemory]) -> ExpertPlan:
+    return ExpertPlan(
+        num_experts=model.num_experts,
+        experts_per_token=model.num_experts_per_tok,
+        shared_expert=bool(model.shared_expert_ffn_hidden_size),
+        ep=ep,
+        expert_tp=tp,
+        expert_dp=expert_dp,
+        experts_per_rank=local_experts(model, ep),
+        hf_expert_parameters=model.num_layers * layer_parameters(model).expert,
+        active_parameters=hf_active_parameter_count(model),
+        dispatcher=MOE_DISPATCHER,
+        dispatch_bytes_per_token=dispatch_buffer_bytes_per_token(model, ep, MOE_DISPATCHER),
+        stages=stages,
     )
 

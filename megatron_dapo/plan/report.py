@@ -26,18 +26,50 @@ def _gpu_label(name: str) -> str:
     return f"{model.label} as reported" if model else name
 
 
+def _expert_lines(plan: MemoryPlan) -> list[str]:
+    """A mixture of experts' section: the experts' layout and the actor state of the binding stage by part."""
+    moe = plan.moe
+    assert moe is not None
+    part = moe.stages[plan.binding_stage]
+    dense = "attention, embeddings, norms, router" + (", shared expert" if moe.shared_expert else "")
+    return [
+        "",
+        f"  mixture of experts: {moe.num_experts} experts per layer, top-{moe.experts_per_token} per token; "
+        f"{moe.hf_expert_parameters / 1e9:.2f}B of the {plan.hf_parameters / 1e9:.2f}B parameters are experts, "
+        f"{moe.active_parameters / 1e9:.2f}B active per token",
+        f"    {moe.experts_per_rank} experts per GPU (EP={moe.ep}), each split over expert-TP={moe.expert_tp} (= TP); "
+        f"expert DP={moe.expert_dp} (copies of each expert: DP x CP / EP)",
+        _row("  actor by part (per GPU)", "dist. optimizer", "no dist. optim."),
+        _row(
+            f"    dense ({part.dense_parameters / 1e9:.3f}B parameters)",
+            _gib(part.dense_distributed_optimizer.total),
+            _gib(part.dense_plain_optimizer.total),
+        ),
+        _row(
+            f"    experts ({part.expert_parameters / 1e9:.3f}B parameters)",
+            _gib(part.expert_distributed_optimizer.total),
+            _gib(part.expert_plain_optimizer.total),
+        ),
+        f"    dense: {dense}; the distributed optimizer shards its state over DP x CP = {plan.dp * plan.cp}, "
+        f"the experts' over expert DP = {moe.expert_dp}",
+    ]
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a readable table (what `megatron-dapo plan` prints)."""
     s = plan.stages[plan.binding_stage]
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     fits = lambda total: "yes" if total <= plan.gpu_memory else "NO"  # noqa: E731
     r = plan.rollout
+    moe = plan.moe
+    active = f", {moe.active_parameters / 1e9:.2f}B active" if moe else ""
     lines = [
         f"memory plan: {plan.model_name or plan.architecture} ({plan.architecture}, {plan.hf_parameters / 1e9:.2f}B "
-        f"parameters) on {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {plan.world_size}, "
+        f"parameters{active}) on {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {plan.world_size}, "
         f"{plan.gpu_memory / GIB:.1f} GiB per GPU ({_gpu_label(plan.gpu)}), reserve {plan.reserve / GIB:.1f} GiB",
         f"layout: TP={plan.tp} PP={plan.pp}" + (f" VPP={plan.vpp}" if plan.vpp else "") + f" CP={plan.cp} "
-        f"DP={plan.dp}; sequence parallel {on(plan.sequence_parallel)}, distributed optimizer "
+        f"DP={plan.dp}" + (f" EP={moe.ep}" if moe else "") + "; sequence parallel "
+        f"{on(plan.sequence_parallel)}, distributed optimizer "
         f"{on(plan.distributed_optimizer)}, full recompute {on(plan.recompute)}; {plan.dtype}",
         f"pipeline stage shown: {s.stage} of {plan.pp} (the one with the smallest token budget); "
         f"{s.parameters / 1e9:.3f}B parameters on each of its GPUs",
@@ -56,6 +88,7 @@ def format_plan(plan: MemoryPlan) -> str:
             _gib(s.reference if plan.reference_built else s.parameters * 2),
             "counted" if plan.reference_built else "not built (no KL)",
         ),
+        *(_expert_lines(plan) if moe else []),
         "",
         _row(f"rollout engine (rollout.tp={r.tp}, {r.engines} engines)"),
         _row("  weights (bf16)", _gib(r.weights)),
@@ -80,6 +113,11 @@ def format_plan(plan: MemoryPlan) -> str:
             "  per token of the micro-batch",
             f"{s.activation_per_token_no_recompute / 1024:8.1f} KiB",
             f"{s.activation_per_token_full_recompute / 1024:8.1f} KiB",
+        ),
+        *(
+            [_row(f"  of which token dispatch ({moe.dispatcher}, in + out)", f"{moe.dispatch_bytes_per_token / 1024:8.1f} KiB")]
+            if moe
+            else []
         ),
         _row("  fixed (log-prob chunk buffers)", _gib(s.activation_fixed)),
         _row(

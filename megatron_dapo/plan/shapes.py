@@ -71,8 +71,10 @@ def _config(arch: str, **fields: Any) -> dict[str, Any]:
 
 # The architecture fields of the public Hugging Face config.json of each base model
 # (https://huggingface.co/<repo>/blob/main/config.json for Qwen/Qwen2.5-{0.5B,1.5B,7B,14B,32B,72B},
-# meta-llama/Llama-3.1-{8B,70B}, Qwen/Qwen3-{8B,32B}), enough for `read_hf_config`. The parameter
-# counts they give equal the totals published on the model pages (tests/plan/test_parameters.py).
+# meta-llama/Llama-3.1-{8B,70B}, Qwen/Qwen3-{8B,32B}, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B),
+# enough for `read_hf_config`. The parameter counts they give equal the totals published on the model
+# pages, and for the mixtures of experts the activated parameters too (tests/plan/test_parameters.py).
+# A Qwen3-MoE's `intermediate_size` is unused (every layer is sparse); it is kept as published.
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _config(
         "Qwen2ForCausalLM", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -127,6 +129,20 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
         "Qwen3ForCausalLM", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
         num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": _config(
+        "Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+    ),
+    "qwen3-235b-a22b": _config(
+        "Qwen3MoeForCausalLM", hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
     ),
 }  # fmt: skip
 

@@ -9,6 +9,10 @@
   q/k norms, grouped-query K/V, a gated MLP, no dropout masks, token ids not split by TP, the final
   norm on the last stage) the tests write the difference out term by term; under Megatron's own
   assumptions the numbers are equal.
+  Its MoE terms (`megatron_parameters` with `num_experts`: every layer an MoE layer of
+  `num_experts` SwiGLU experts of `moe_ffn_hidden_size` plus a shared expert of
+  `moe_shared_expert_intermediate_size`; no router, which it does not count) are transcribed from
+  the same file at commit 00caa53af30912914981c86f39db123961678bbd.
 * The parameter counts published for the public models of the built-in table.
 """
 
@@ -40,6 +44,9 @@ def megatron_args(model, tp=1, pp=1, dp=1, *, distributed_optimizer=True, seq_le
         use_distributed_optimizer=distributed_optimizer,
         seq_length=seq_length,
         micro_batch_size=1,
+        num_experts=model.num_experts or None,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size,
     )
 
 
@@ -52,7 +59,11 @@ def megatron_parameters(args):
     attention = 2 * args.hidden_size * args.hidden_size * (
         (1 + groups / args.num_attention_heads) * query_projection / args.hidden_size
     )
-    mlp = 2 * args.hidden_size * args.ffn_hidden_size * gated
+    if args.num_experts is None:
+        mlp = 2 * args.hidden_size * args.ffn_hidden_size * gated
+    else:  # every layer an MoE layer (moe_layer_freq = 1)
+        shared = args.moe_shared_expert_intermediate_size or 0
+        mlp = 2 * args.hidden_size * (args.moe_ffn_hidden_size * args.num_experts * gated + shared * gated)
     layernorms = 2 * args.hidden_size * norm
     embedding = args.hidden_size * args.padded_vocab_size
     final_norm = norm * args.hidden_size
@@ -124,6 +135,11 @@ def qk_norm_per_layer(model):
     return 2 * model.head_dim if model.qk_norm else 0
 
 
+def router_per_layer(model):
+    """The router ([E, h]) and the shared expert's gate ([1, h]), which Megatron's formula leaves out."""
+    return model.num_experts * model.hidden_size + (model.hidden_size if model.shared_expert_ffn_hidden_size else 0)
+
+
 # Totals published on the Hugging Face model pages (safetensors parameter count) of these models.
 PUBLISHED_PARAMETERS = {
     "qwen2.5-0.5b": 494_032_768,
@@ -136,4 +152,13 @@ PUBLISHED_PARAMETERS = {
     "llama-3.1-70b": 70_553_706_496,
     "qwen3-8b": 8_190_735_360,
     "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
+}
+
+# The model cards' figures of the mixtures of experts: (total, activated) parameters in billions with
+# their number of decimals ("30.5B in total and 3.3B activated"; "235B in total and 22B activated").
+PUBLISHED_MOE_BILLIONS = {
+    "qwen3-30b-a3b": ((30.5, 1), (3.3, 1)),
+    "qwen3-235b-a22b": ((235, 0), (22, 0)),
 }

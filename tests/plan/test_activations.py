@@ -1,11 +1,13 @@
 """Activation bytes (plan/activations.py) against Megatron's formula: equal under its assumptions,
-different by the documented terms for the real architectures, and worked by hand for one recipe."""
+different by the documented terms for the real architectures, and worked by hand for one recipe;
+the MoE layer's terms and the token dispatcher's buffers by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_dapo import plan as mp
+from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.mapping import padded_vocab_size
 from tests.plan.conftest import known
 from tests.plan.references import (
@@ -107,3 +109,46 @@ def test_temperature_keeps_one_more_logits_copy():
     plain = mp.output_activation_bytes_per_token(model, tp, True, temperature=1.0)
     scaled = mp.output_activation_bytes_per_token(model, tp, True, temperature=0.7)
     assert scaled - plain == 2 * padded_vocab_size(model.vocab_size, tp) / tp
+
+
+def test_moe_layer_activations_by_hand_qwen3_30b_a3b_tp2():
+    """Attention and the four h-wide inputs as for a dense layer; router scores, the top-8 expert input
+    rows (gathered over expert-TP: not split by TP) with their SwiGLU intermediates split by TP."""
+    model, tp = known("qwen3-30b-a3b"), 2
+    h, a, g, d, e, k, i = 2048, 32, 4, 128, 128, 8, 768
+    attention = (8 * h) / tp + (2 * (a + 2 * g) * d + 2 * a * d) / tp
+    router = 6 * e / tp
+    rows = k * (2 * h + 4 + 6 * i / tp)
+    assert mp.moe_activation_bytes_per_token(model, tp, True) == router + rows
+    assert mp.layer_activation_bytes_per_token(model, tp, True) == attention + router + rows == 69024
+    # Unfused SwiGLU (local spec): silu(gate) and the activation before the routing probability, 4I/TP per row.
+    assert mp.layer_activation_bytes_per_token(model, tp, True, fused_swiglu=False) == 69024 + k * 4 * i / tp
+    # The dense MLP width of the config (intermediate_size, unused by a Qwen3-MoE) does not enter.
+    wider = read_hf_config({**mp.KNOWN_MODELS["qwen3-30b-a3b"], "intermediate_size": 99999})
+    assert mp.layer_activation_bytes_per_token(wider, tp, True) == 69024
+
+
+def test_moe_shared_expert_activations():
+    from tiny_models import tiny_moe_config
+
+    qwen2_moe = read_hf_config(tiny_moe_config("qwen2_moe").to_dict())  # 4 experts of 32, top-2, shared 48, h 64
+    assert mp.moe_activation_bytes_per_token(qwen2_moe, 1, False) == 6 * 4 + 2 * (2 * 64 + 4 + 6 * 32) + 6 * 48
+    assert mp.moe_activation_bytes_per_token(qwen2_moe, 2, True, fused_swiglu=False) == (
+        6 * 4 / 2 + 2 * (2 * 64 + 4 + 10 * 32 / 2) + 8 * 48 / 2
+    )
+
+
+def test_token_dispatch_buffers():
+    """In and out, top-k rows of 2h bytes per token, once per stage whatever EP is (alltoall); the
+    allgather dispatcher adds the EP x TP group's gathered hidden states."""
+    model = known("qwen3-30b-a3b")
+    assert mp.dispatch_buffer_bytes_per_token(model, 8) == mp.dispatch_buffer_bytes_per_token(model, 1) == 2 * 8 * 2 * 2048
+    assert mp.dispatch_buffer_bytes_per_token(model, 4, "allgather") == 2 * (8 + 4) * 2 * 2048
+    assert mp.dispatch_buffer_bytes_per_token(known("qwen2.5-7b"), 1) == 0
+    for recompute in (False, True):
+        plain = mp.stage_activation_bytes(model, 2, 1, 0, sequence_parallel=True, recompute=recompute, ep=8)
+        full_layer = mp.layer_activation_bytes_per_token(model, 2, True)
+        layers = 48 * (mp.layer_input_bytes_per_token(model, 2, True) if recompute else full_layer)
+        one_layer = full_layer if recompute else 0
+        output = mp.TOKEN_ID_BYTES + mp.output_activation_bytes_per_token(model, 2, True)
+        assert plain.per_token == pytest.approx(layers + one_layer + output + 2 * 8 * 2 * 2048, rel=1e-12)

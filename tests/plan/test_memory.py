@@ -1,6 +1,7 @@
 """Actor state and rollout-engine bytes (plan/memory.py): weight + optimizer bytes against Megatron's
-formula, the KV cache, and vLLM's batch defaults (the installed source) and the activation peak its
-start-up profiling logs for published configurations."""
+formula, a mixture of experts' dense and expert parts under EP, the KV cache, and vLLM's batch
+defaults (the installed source) and the activation peak its start-up profiling logs for published
+configurations."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo import plan as mp
-from tests.plan.conftest import known
+from tests.plan.conftest import known, plan_for
 from tests.plan.references import megatron_args, megatron_weight_and_optimizer_bytes, qk_norm_per_layer, qkv_bias_per_layer
 
 
@@ -93,3 +94,54 @@ def test_vllm_activation_peak_reproduces_published_profiles():
     for name, tp in (("qwen2.5-7b", 2), ("qwen2.5-32b", 8)):
         peak = mp.vllm_activation_peak(known(name), tp, 16384, 1024)
         assert peak == 1024 * 152064 * 44
+
+
+MOE = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+
+
+def test_expert_parallel_divides_the_expert_weights_not_their_optimizer_state():
+    """Qwen3-30B-A3B on 16 GPUs at TP=2: EP=8 (expert DP 1) against EP=4 (expert DP 2). The experts'
+    weights and grads per GPU halve as EP doubles; their distributed-optimizer state (sharded over
+    expert DP = DP x CP / EP) stays; the dense part does not move."""
+    model = known("qwen3-30b-a3b")
+    plans = {ep: plan_for([*MOE, f"parallel.ep={ep}"], model="qwen3-30b-a3b") for ep in (1, 2, 4, 8)}
+    for ep, plan in plans.items():
+        moe, part = plan.moe, plan.moe.stages[0]
+        assert (moe.ep, moe.expert_tp, moe.expert_dp, moe.experts_per_rank) == (ep, 2, 8 // ep, 128 // ep)
+        split = mp.stage_parameter_split(model, 2, 1, 0, ep)
+        assert (part.dense_parameters, part.expert_parameters) == (split.dense, split.expert)
+        # dense: 6 + 12 / (DP x CP) bytes per parameter; experts: 6 + 12 / expert DP
+        assert part.dense_distributed_optimizer.total == pytest.approx(split.dense * (6 + 12 / 8), rel=1e-12)
+        assert part.expert_distributed_optimizer.total == pytest.approx(split.expert * (6 + 12 / (8 // ep)), rel=1e-12)
+        assert part.expert_plain_optimizer.total == pytest.approx(split.expert * 18, rel=1e-12)
+        stage = plan.stages[0]
+        assert stage.actor.total == pytest.approx(part.dense_distributed_optimizer.total + part.expert_distributed_optimizer.total)
+        assert stage.actor_plain_optimizer.total == pytest.approx(split.total * 18, rel=1e-12)
+        assert stage.parameters == split.total
+    for ep in (2, 4, 8):
+        now, before = plans[ep].moe.stages[0], plans[ep // 2].moe.stages[0]
+        assert now.expert_parameters * 2 == before.expert_parameters
+        assert now.expert_distributed_optimizer.params * 2 == before.expert_distributed_optimizer.params
+        assert now.expert_distributed_optimizer.grads * 2 == before.expert_distributed_optimizer.grads
+        assert now.expert_distributed_optimizer.optimizer == pytest.approx(before.expert_distributed_optimizer.optimizer)
+        assert now.dense_distributed_optimizer == before.dense_distributed_optimizer
+    # Without the distributed optimizer every rank keeps all optimizer state of what it holds.
+    plain = plan_for([*MOE, "parallel.ep=8", "parallel.use_distributed_optimizer=false"], model="qwen3-30b-a3b")
+    assert plain.stages[0].actor == plain.stages[0].actor_plain_optimizer
+
+
+def test_moe_rollout_weights_and_engine_activations():
+    """Every expert split over rollout.tp, the router on every engine GPU; the engine's forward peak
+    uses the fused-MoE workspace of the top-k experts (the sampler still dominates at vLLM's defaults)."""
+    model = known("qwen3-30b-a3b")
+    h, layers = 2048, 48
+    for tp in (1, 2, 4):
+        attention_kv = 2 * h * max(1, 4 // tp) * 128
+        q_and_o = 2 * h * 32 * 128 // tp
+        experts = 128 * 3 * h * 768 // tp
+        per_layer = q_and_o + attention_kv + experts + 2 * h + 2 * 128 + 128 * h
+        assert mp.rollout_weight_parameters(model, tp) == layers * per_layer + 2 * 151936 * h // tp + h
+    forward = 16384 * 2 * (8 * (max(2 * 768 / 4, h) + 768 / 4) + 4 * h)
+    sampler = 1024 * 151936 * 44
+    assert mp.vllm_activation_peak(model, 4, 16384, 1024) == max(forward, sampler) == sampler
+    assert mp.vllm_activation_peak(model, 4, 262144, 1) == forward * 16

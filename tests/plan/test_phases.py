@@ -169,3 +169,53 @@ def test_result_buffers_are_two_engines_of_gathered_rollouts():
     one_engine = 128 * 8192 * 8 + 8 * 1024 * 4  # 128 responses of 8 prompts
     assert r.result_buffers == 2 * one_engine
     assert r.generation_total == pytest.approx(r.actor_kept + r.pool + r.result_buffers + plan.reserve)
+
+
+MOE = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=8"]
+# A batch that splits over 12 data-parallel ranks.
+BATCH_OF_24 = ["trainer.train_batch_size=24", "trainer.gen_batch_size=24", "trainer.ppo_mini_batch_size=24"]
+
+
+@pytest.mark.parametrize(
+    "model, overrides, gpus, message",
+    [
+        ("qwen3-30b-a3b", ["parallel.ep=3", *BATCH_OF_24], 12,
+         "parallel.ep=3 does not divide the model's num_experts=128: use parallel.ep in {1, 2, 4, 8, 16, 32, 64, 128}"),
+        ("qwen3-30b-a3b", ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=16"], 16,
+         "parallel.ep x parallel.tp = 16 x 2 = 32 does not divide the 16 ranks of a pipeline stage"),
+        ("qwen3-30b-a3b", ["parallel.tp=2", "parallel.ep=8"], 16,
+         "training a mixture-of-experts model at parallel.tp=2 needs sequence parallelism: set parallel.sequence_parallel=true"),
+        ("qwen2.5-7b", ["parallel.ep=2"], 16,
+         "parallel.ep=2 needs a mixture-of-experts model (the model has no experts): set parallel.ep=1"),
+    ],
+)  # fmt: skip
+def test_expert_parallel_layout_errors_are_config_errors(model, overrides, gpus, message):
+    """The layout's expert-parallel rules reach the planner's caller as ConfigError (exit 2 from `plan`)."""
+    with pytest.raises(ConfigError) as error:
+        plan_for(overrides, model=model, nodes=1, gpus_per_node=gpus)
+    assert message in str(error.value)
+
+
+def test_moe_plan_sums_the_parts_and_dense_plans_have_none():
+    plan = plan_for([*MOE, "model.recompute_activations=true"], model="qwen3-30b-a3b")
+    moe = plan.moe
+    assert (moe.num_experts, moe.experts_per_token, moe.ep, moe.expert_tp, moe.expert_dp) == (128, 8, 8, 2, 1)
+    assert moe.active_parameters == mp.hf_active_parameter_count(known("qwen3-30b-a3b"))
+    assert moe.hf_expert_parameters == 48 * 128 * 3 * 2048 * 768 and not moe.shared_expert
+    assert moe.dispatch_bytes_per_token == 2 * 8 * 2 * 2048 and moe.dispatcher == "alltoall"
+    stage, part = plan.stages[0], moe.stages[0]
+    assert stage.parameters == part.dense_parameters + part.expert_parameters
+    by_part = part.dense_distributed_optimizer.total + part.expert_distributed_optimizer.total
+    assert stage.actor.total == pytest.approx(by_part)
+    full = mp.stage_activation_bytes(known("qwen3-30b-a3b"), 2, 1, 0, sequence_parallel=True, recompute=True, ep=8)
+    assert stage.activation_per_token == full.per_token
+    assert any("routing counted as balanced" in note for note in plan.notes)
+    raw = plan.to_dict()
+    assert raw["moe"]["stages"][0]["expert_distributed_optimizer"]["total"] == part.expert_distributed_optimizer.total
+    assert raw["moe"]["ep"] == 8
+    dense = plan_for(["parallel.tp=4", "parallel.sequence_parallel=true"])
+    assert dense.moe is None and "moe" not in dense.to_dict()
+    assert not any("mixture of experts" in note for note in dense.notes)
+    # Over pipeline stages each stage's experts are its layers' (PP=2 on 32 GPUs: DP=8, expert DP=1).
+    piped = plan_for([*MOE, "parallel.pp=2"], model="qwen3-30b-a3b", nodes=4)
+    assert [s.expert_parameters for s in piped.moe.stages] == [part.expert_parameters // 2] * 2
