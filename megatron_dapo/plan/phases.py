@@ -79,8 +79,6 @@ if TYPE_CHECKING:  # megatron_dapo.model imports torch: kept out of `megatron-da
 
 DEFAULT_RESERVE_GIB = 6.0
 """GiB kept free for what no formula counts (module doc): `--reserve-gib`."""
-MOE_DISPATCHER = "alltoall"
-"""The token dispatcher the actor's MoE layers use (`model/builder.py`'s default; the only one with PP > 1)."""
 
 
 @dataclass
@@ -335,7 +333,7 @@ def plan_memory(
             temperature=r.temperature,
             fused_swiglu=cfg.model.transformer_engine != "off",  # Megatron fuses it only with TE on GPU
             ep=p.ep,
-            moe_dispatcher=MOE_DISPATCHER,
+            moe_dispatcher=cfg.moe.token_dispatcher,
         )
         none = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=False, **common)
         full = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=True, **common)
@@ -496,11 +494,13 @@ def plan_memory(
         training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
         rollout_fits=rollout_total <= gpu and rollout.concurrent_full_sequences >= 1,
         notes=notes,
-        moe=_expert_plan(model, p.ep, p.tp, expert_dp, expert_stages) if model.is_moe else None,
+        moe=_expert_plan(model, p.ep, p.tp, expert_dp, expert_stages, cfg.moe.token_dispatcher) if model.is_moe else None,
     )
 
 
-def _expert_plan(model: HFModelConfig, ep: int, tp: int, expert_dp: int, stages: list[ExpertStageMemory]) -> ExpertPlan:
+def _expert_plan(
+    model: HFModelConfig, ep: int, tp: int, expert_dp: int, stages: list[ExpertStageMemory], dispatcher: str
+) -> ExpertPlan:
     return ExpertPlan(
         num_experts=model.num_experts,
         experts_per_token=model.num_experts_per_tok,
@@ -511,8 +511,8 @@ def _expert_plan(model: HFModelConfig, ep: int, tp: int, expert_dp: int, stages:
         experts_per_rank=local_experts(model, ep),
         hf_expert_parameters=model.num_layers * layer_parameters(model).expert,
         active_parameters=hf_active_parameter_count(model),
-        dispatcher=MOE_DISPATCHER,
-        dispatch_bytes_per_token=dispatch_buffer_bytes_per_token(model, ep, MOE_DISPATCHER),
+        dispatcher=dispatcher,
+        dispatch_bytes_per_token=dispatch_buffer_bytes_per_token(model, ep, dispatcher),
         stages=stages,
     )
 
