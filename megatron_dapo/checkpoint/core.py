@@ -161,6 +161,7 @@ def current_layout(num_chunks: int = 1) -> dict[str, Any]:
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "vpp": num_chunks if num_chunks > 1 else None,
         "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(),
         "world_size": dist.get_world_size(),
     }
@@ -501,11 +502,14 @@ def _damage_report(directory: Path, problems: Sequence[str]) -> str:
 
 def _same_layout(saved: dict, now: dict) -> bool:
     keys = ("tp", "pp", "vpp", "cp", "dp", "world_size")
-    return all(saved.get(k) == now.get(k) for k in keys)
+    # Expert parallelism shards the experts' optimizer state over other groups; a checkpoint
+    # without the entry was saved before EP existed, at EP=1.
+    return all(saved.get(k) == now.get(k) for k in keys) and saved.get("ep", 1) == now.get("ep", 1)
 
 
 def _describe_layout(layout: dict) -> str:
-    return ", ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp", "world_size"))
+    described = ", ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "vpp", "dp", "world_size"))
+    return described if layout.get("ep", 1) == 1 else f"{described}, ep={layout['ep']}"
 
 
 def _check_optimizer_fits(directory: Path, metadata: dict, optimizer: Any, num_chunks: int) -> str:

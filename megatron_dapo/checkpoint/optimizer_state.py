@@ -40,8 +40,10 @@ __all__ = [
 OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 """Distributed-optimizer checkpoint formats this version writes and reads."""
 
-LAYOUT_BOUND_KEYS = ("tp", "pp", "vpp")
-"""Layout sizes a `dp_reshardable` optimizer state is bound to (its keys and buckets follow them)."""
+LAYOUT_BOUND_KEYS = ("tp", "pp", "vpp", "ep")
+"""Layout sizes a `dp_reshardable` optimizer state is bound to (its keys and buckets follow them;
+EP decides which experts' state a rank holds)."""
+_LAYOUT_DEFAULTS = {"ep": 1}  # checkpoints saved before a key existed were saved at this value
 
 
 def sharding_metadata(optimizer_format: str) -> dict:
@@ -71,7 +73,10 @@ def optimizer_kind(optimizer: Any) -> str:
 def layout_change(saved: dict, now: dict) -> Optional[str]:
     """What differs between a `dp_reshardable` checkpoint's layout and this run's in the sizes its
     optimizer state is bound to ("tp 2 -> 1, pp 1 -> 2"), or None when it can load (pure)."""
-    changes = [f"{k} {saved.get(k)} -> {now.get(k)}" for k in LAYOUT_BOUND_KEYS if saved.get(k) != now.get(k)]
+    def size(layout: dict, key: str):
+        return layout.get(key, _LAYOUT_DEFAULTS.get(key))
+
+    changes = [f"{k} {size(saved, k)} -> {size(now, k)}" for k in LAYOUT_BOUND_KEYS if size(saved, k) != size(now, k)]
     return ", ".join(changes) or None
 
 

@@ -100,7 +100,7 @@ def test_saves_publish_atomically_and_prune(trained, root):
         assert other["failed_save"].startswith("CheckpointError: publishing the checkpoint failed on rank 0")
     meta = json.loads((root / "step_00000002" / "metadata.json").read_text())
     assert meta["step"] == 2 and meta["contents"]["optimizer"] == "distributed"
-    assert meta["layout"] == {"tp": 1, "pp": 2, "vpp": None, "cp": 1, "dp": 2, "world_size": 4}
+    assert meta["layout"] == {"tp": 1, "pp": 2, "vpp": None, "cp": 1, "ep": 1, "dp": 2, "world_size": 4}
     assert sorted(p.name for p in (root / "step_00000002" / "rng").iterdir()) == [f"rank_{r:05d}.pt" for r in range(4)]
     assert (root / "step_00000002" / "hf" / "config.json").is_file()
 

@@ -219,6 +219,8 @@ def test_dp_reshardable_layout_rules():
     assert layout_change(saved, {**saved, "cp": 2, "world_size": 8}) is None  # so may CP (the DP x CP group)
     assert layout_change(saved, {**saved, "tp": 2, "pp": 1}) == "tp 1 -> 2, pp 2 -> 1"
     assert layout_change(saved, {**saved, "vpp": 2}) == "vpp None -> 2"
+    assert layout_change(saved, {**saved, "ep": 1}) is None  # saved before EP was recorded: EP 1
+    assert layout_change(saved, {**saved, "ep": 2}) == "ep 1 -> 2"
     buckets = {"0:0": [[["(fp32, fp32)"], [1024, 512]]]}
     assert bucket_mismatch(buckets, buckets) is None
     assert "bucket sizes" in bucket_mismatch(buckets, {"0:0": [[["(fp32, fp32)"], [1536]]]})
