@@ -94,7 +94,7 @@ fi
 export PYTHONUNBUFFERED=1
 case "$target" in
     install|install-sglang-cpu) echo "[bootstrap] environment ready: $VENV" ;;
-    demo) exec "$VENV/bin/megatron-dapo" demo ;;
+    demo) exec "$VENV/bin/megatron-dapo" demo ${DEMO_ARGS:-} ;;
     test) exec "$PY" -m pytest -q ${PYTEST_ARGS:-} tests ;;
     test-fast) exec "$PY" -m pytest -q -m "not launch" ${PYTEST_ARGS:-} tests ;;
 esac
