@@ -51,6 +51,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _assert_same_update(ranks: list, out: Path, name: str, reference: str) -> None:
+    """Layout `name` updated as `reference` did: gradients (saved without the distributed optimizer),
+    weights after the step, and every rank's metrics."""
+    got, want = torch.load(out / f"{name}.pt"), torch.load(out / f"{reference}.pt")
+    if "grads" in want:
+        assert _max_diff(got["grads"], want["grads"]) < GRAD_TOL
+    assert _max_diff(got["weights"], want["weights"]) < WEIGHT_TOL
+    for rank in ranks:
+        a, b = rank["layouts"][name]["metrics"], rank["layouts"][reference]["metrics"]
+        for key in b:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+
+
 def test_auxiliary_losses_are_a_mean_over_micro_batches_as_megatron_defines_them(moe_dir, tmp_path):
     result = run_torchrun_function(WORKER, "run_aux_reference", nproc=1, kwargs={"model_dir": moe_dir, "out_dir": str(tmp_path)},
                                    timeout=300, use_torchrun=False)  # fmt: skip
@@ -78,14 +91,7 @@ def two_process_layouts(moe_dir, tmp_path_factory):
 @pytest.mark.parametrize("name,reference", [("dp2ep2_alltoall", "dp2"), ("dp2ep2_distopt", "dp2_distopt")])
 def test_expert_parallel_update_equals_ep1(two_process_layouts, name, reference):
     ranks, out = two_process_layouts
-    got, want = torch.load(out / f"{name}.pt"), torch.load(out / f"{reference}.pt")
-    if "grads" in want:
-        assert _max_diff(got["grads"], want["grads"]) < GRAD_TOL
-    assert _max_diff(got["weights"], want["weights"]) < WEIGHT_TOL
-    for rank in ranks:
-        a, b = rank["layouts"][name]["metrics"], rank["layouts"][reference]["metrics"]
-        for key in b:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+    _assert_same_update(ranks, out, name, reference)
     metrics = ranks[0]["layouts"][name]["metrics"]
     assert metrics["moe_aux_loss"] > 0 and metrics["moe_z_loss"] > 0 and metrics["moe_load_ratio_max"] >= metrics["moe_load_ratio_mean"] >= 1
 
@@ -94,12 +100,7 @@ def test_expert_parallel_update_equals_ep1(two_process_layouts, name, reference)
 def test_tensor_and_sequence_parallel_with_either_dispatcher(four_process_layouts, name):
     """TP=2 x SP x EP=2 (alltoall), and the allgather dispatcher at TP=2 x SP, against TP=2 x SP x DP=2."""
     ranks, out = four_process_layouts
-    got, want = torch.load(out / f"{name}.pt"), torch.load(out / "tp2sp_dp2.pt")
-    assert _max_diff(got["grads"], want["grads"]) < GRAD_TOL
-    assert _max_diff(got["weights"], want["weights"]) < WEIGHT_TOL
-    a, b = ranks[0]["layouts"][name]["metrics"], ranks[0]["layouts"]["tp2sp_dp2"]["metrics"]
-    for key in b:
-        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
+    _assert_same_update(ranks, out, name, "tp2sp_dp2")
 
 
 @pytest.fixture(scope="module")
