@@ -9,6 +9,8 @@ weights with the trainer's code path (`RolloutGroup.sync_weights`, in the mode `
 vLLM), then checks:
 
 1. per tensor: the engine's weight equals the actor's HF export bit for bit (in the engine dtype);
+   a mixture of experts per expert matrix under its checkpoint name, the router included (engines
+   that hold the experts fused read them back one expert at a time);
 2. the engine's log-probs of responses it samples against the actor's forward-only log-probs of
    the same tokens: mean and max |diff| and the k3 KL estimate (the training / inference mismatch).
 
@@ -251,7 +253,8 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
             bad = current[args.corrupt_tensor].clone()
             bad.add_(0.05 * bad.abs().max().clamp(min=1e-3))
             # The whole state again with one tensor changed: vLLM takes a fused layer (gate_up_proj,
-            # qkv_proj) only whole, and a tied engine's read-back LM head is not a tensor to load.
+            # qkv_proj, a layer's experts) only whole, and a tied engine's read-back LM head is not a
+            # tensor to load.
             skip = "lm_head.weight" if hf_cfg.tie_word_embeddings else None
             engine.load_weights((name, bad if name == args.corrupt_tensor else tensor) for name, tensor in current.items() if name != skip)
             say(f"   (self-test: overwrote {args.corrupt_tensor} in the engine with a perturbed copy)")

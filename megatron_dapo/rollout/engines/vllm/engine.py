@@ -32,10 +32,11 @@ Two placements (`placement=`):
   restores them.
 
 Weights (`load_weights`): one update may span many calls (the trainer's weight sync sends one
-bucket per call) and a fused vLLM layer (qkv_proj, gate_up_proj) may be split across them: the
-reload session opened by the first call stays open and is closed ("committed") by the next
-`generate`, `sleep`, `named_weights` or `commit_weights` call (see `vllm_worker`). Committing also
-resets the prefix cache (cached KV of old weights). Tensors not sent keep their values.
+bucket per call) and a fused vLLM layer (qkv_proj, gate_up_proj, a MoE layer's experts) may be
+split across them: the reload session opened by the first call stays open and is closed
+("committed") by the next `generate`, `sleep`, `named_weights` or `commit_weights` call (see
+`vllm_worker`). Committing also resets the prefix cache (cached KV of old weights). Tensors not
+sent keep their values.
 
 Sleep (`sleep(level)`, `wake_up(tags)`): vLLM's sleep mode, CUDA only (`enable_sleep_mode`
 defaults to True on CUDA, False elsewhere; vLLM's CPU worker ignores sleep). Level 1 moves weights

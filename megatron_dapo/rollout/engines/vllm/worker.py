@@ -12,7 +12,9 @@ storage. A plain `model.load_weights` cannot do this on CPU, where packed linear
 checkpoint-format weight. One session may span many buckets (a fused layer - qkv_proj,
 gate_up_proj - may be split across them: vLLM buffers a layer's parts until it is complete); the
 driver closes it ("commits"). Committing also re-packs a tied LM head: vLLM processes a tied
-weight only through the embedding, so on CPU the LM head would keep its old packed copy.
+weight only through the embedding, so on CPU the LM head would keep its old packed copy. Fused MoE
+experts on CPU need their kernel's packing redone as well, which vLLM skips on a reload
+(`vllm/experts.py`, `repack_cpu_experts_on_reload`).
 Tensors arrive as safetensors bucket files (leader placement: `collective_rpc` arguments cross a
 process boundary as plain lists otherwise) or, in-process, as tensors on the parameters' device
 (TP slices as full-shape `tp_shards.PlacedSlice`s, which the loaders narrow to their rows).
@@ -22,9 +24,10 @@ fused and TP-sharded; we split them back into HF names. On CPU, linear layers ke
 weight (it is packed into an opaque oneDNN / AMX handle), so the EFFECTIVE weight is read through
 the layer's own kernel: feeding the identity matrix to `x @ W^T` gives `W^T` exactly (every product
 is w * 1 or w * 0, every sum has one non-zero term). This also catches a stale packed copy (the
-tied LM head above); for tied models `lm_head.weight` is listed as well. Fusions other than
-qkv_proj and gate_up_proj, renamed checkpoints (`hf_to_vllm_mapper`) and quantized layers are not
-mapped back.
+tied LM head above); for tied models `lm_head.weight` is listed as well. Fused MoE experts are
+listed per expert under their checkpoint names, read from the kernel's own copy (`vllm/experts.py`).
+Fusions other than qkv_proj, gate_up_proj and the experts, renamed checkpoints (`hf_to_vllm_mapper`)
+and quantized layers are not mapped back.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from megatron_dapo.rollout.engines.vllm.experts import expert_shards, is_routed_experts, repack_cpu_experts_on_reload
 from megatron_dapo.rollout.sync.bucketing import write_safetensors
 
 # vLLM is an optional install and this module is also imported where it is absent (the trainer names
@@ -83,8 +87,10 @@ class VLLMWorkerExtension:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         _quiet_rotary_reload_warning()
+        model = self._mdapo_model()
+        repack_cpu_experts_on_reload(model)  # CPU: the experts kernel's packed copy (vllm/experts.py)
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            initialize_layerwise_reload(self._mdapo_model())
+            initialize_layerwise_reload(model)
 
     @_reported
     def mdapo_load_weights_file(self, path: str) -> int:
@@ -318,6 +324,7 @@ def _iter_hf_named_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
         MergedColumnParallelLinear,
         QKVParallelLinear,
         RowParallelLinear,
+        UnquantizedLinearMethod,
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -336,11 +343,15 @@ def _iter_hf_named_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.T
                 yield f"{prefix}bias", module.bias.data[:rows], sharded, 1
             handled.update(id(p) for p in module.parameters(recurse=False))
             continue
+        if is_routed_experts(module):  # fused experts: one tensor per expert matrix, checkpoint-named
+            yield from expert_shards(module)
+            handled.update((id(module.w13_weight), id(module.w2_weight)))  # any other parameter: below
         if isinstance(module, LinearBase):
-            if type(module.quant_method).__name__ != "UnquantizedLinearMethod":
+            if not isinstance(module.quant_method, UnquantizedLinearMethod):
                 raise NotImplementedError(f"cannot read back the quantized layer {module_name}")
             handled.update(id(p) for p in module.parameters(recurse=False))
-            weight = _linear_weight(module, module.input_size_per_partition)
+            # A replicated layer (e.g. a MoE router, `GateLinear`) has no per-partition input size.
+            weight = _linear_weight(module, getattr(module, "input_size_per_partition", module.input_size))
             bias = None
             if getattr(module, "bias", None) is not None:  # CPU AMX kernels keep it in float32
                 bias = module.bias.data.to(module.params_dtype)

@@ -1,0 +1,66 @@
+"""`megatron-dapo check-sync` on a mixture of experts (the tiny Qwen3-MoE: 2 layers of 4 experts), as a
+user runs it: the plain command at TP=2 starts its two processes and syncs with the shared-memory
+hand-over (auto at TP=2); the engine's read-back covers the router and every expert.
+
+* vLLM (leader placement): the router (vLLM's `GateLinear`) and the experts, read back from vLLM's
+  fused experts one expert matrix at a time (`rollout/engines/vllm/experts.py`), equal the actor's
+  export after the sync; the self-test then corrupts one expert's tensor, which must be the one
+  reported (one launch covers both; a vLLM start costs ~30 s to minutes here);
+* the embedded engine (transformers' fused experts, `model/hf_experts.py`): every tensor equal, PASS.
+The dense models' runs: tests/rollout/sync/test_check_sync.py.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_models import save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[3]
+TENSORS = 45  # embedding, final norm, LM head + 2 layers x (9 attention / norm / router + 4 experts x 3)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_dapo.cli", "check-sync", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _ok_names(stdout: str) -> list[str]:
+    return re.findall(r"^   OK    (\S+)", stdout, flags=re.M)
+
+
+def test_vllm_reads_router_and_experts_back_and_names_a_corrupted_expert(moe_dir, require_vllm):
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    out = _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", name)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"before the sync, {TENSORS} of {TENSORS} engine tensors differ from the actor" in out.stdout
+    assert "(shared_memory)" in out.stdout
+    assert re.findall(r"^   DIFF  (\S+)", out.stdout, flags=re.M) == [name]
+    assert f"{TENSORS - 1} of {TENSORS} tensors equal" in out.stdout
+    ok = _ok_names(out.stdout)
+    assert len(ok) == TENSORS - 1
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"} <= set(ok)  # the routers
+    assert sum(".mlp.experts." in n for n in ok) == 2 * 4 * 3 - 1
+    assert "NOTE" not in out.stdout and "MISSING" not in out.stdout  # nothing left under vLLM's own names
+    assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout
+
+
+def test_embedded_engine_passes_with_every_expert_equal(moe_dir):
+    out = _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"{TENSORS} of {TENSORS} tensors equal" in out.stdout and "PASS" in out.stdout
+    ok = _ok_names(out.stdout)
+    assert len(ok) == TENSORS and sum(".mlp.experts." in n for n in ok) == 2 * 4 * 3
+    assert "model.layers.1.mlp.gate.weight" in ok
+    largest = float(re.search(r"max \|diff\| (\S+)", out.stdout).group(1))
+    assert largest < 1e-4
