@@ -122,10 +122,27 @@ class PlacedSlice(torch.Tensor):
             return PlacedSlice(func(placed.piece, **kwargs), placed.dim_, placed.start, placed.shape)
         if func is aten.slice.Tensor:
             return placed._slice(*args[1:], **kwargs)
+        if func is aten.unsqueeze.default:  # vLLM's expert loader: one expert as a stack of one
+            return placed._unsqueeze(*args[1:], **kwargs)
+        if func is aten.unbind.int:  # ... which it then takes apart again, expert by expert
+            return placed._unbind(*args[1:], **kwargs)
         raise NotImplementedError(
             f"{func} on a PlacedSlice (a {tuple(placed.shape)} tensor holding only {tuple(placed.piece.shape)} at {placed.start} "
             f"along dim {placed.dim_}): the engine's loader must only narrow it to its own rows"
         )
+
+    def _unsqueeze(self, dim: int) -> "PlacedSlice":
+        dim = dim % (self.dim() + 1)
+        shape = list(self.shape)
+        shape.insert(dim, 1)
+        return PlacedSlice(self.piece.unsqueeze(dim), self.dim_ + (dim <= self.dim_), self.start, shape)
+
+    def _unbind(self, dim: int = 0) -> tuple:
+        dim = dim % self.dim()
+        if dim == self.dim_:
+            raise NotImplementedError(f"unbind along dim {dim}, the dimension a PlacedSlice holds only part of")
+        shape = [size for index, size in enumerate(self.shape) if index != dim]
+        return tuple(PlacedSlice(piece, self.dim_ - (dim < self.dim_), self.start, shape) for piece in self.piece.unbind(dim))
 
     def _slice(self, dim: int = 0, start: Optional[int] = None, end: Optional[int] = None, step: int = 1) -> torch.Tensor:
         dim = dim % self.dim()

@@ -6,6 +6,7 @@ hand-over (auto at TP=2); the engine's read-back covers the router and every exp
   fused experts one expert matrix at a time (`rollout/engines/vllm/experts.py`), equal the actor's
   export after the sync; the self-test then corrupts one expert's tensor, which must be the one
   reported (one launch covers both; a vLLM start costs ~30 s to minutes here);
+* vLLM (spmd placement, tp_shards hand-over): every tensor equal, PASS;
 * the embedded engine (transformers' fused experts, `model/hf_experts.py`): every tensor equal, PASS.
 The dense models' runs: tests/rollout/sync/test_check_sync.py.
 """
@@ -53,6 +54,15 @@ def test_vllm_reads_router_and_experts_back_and_names_a_corrupted_expert(moe_dir
     assert sum(".mlp.experts." in n for n in ok) == 2 * 4 * 3 - 1
     assert "NOTE" not in out.stdout and "MISSING" not in out.stdout  # nothing left under vLLM's own names
     assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout
+
+
+def test_vllm_spmd_placement_takes_the_experts_as_tp_shards(moe_dir, require_vllm):
+    """vLLM's default placement: every process holds its engine shard and loads its own TP slices
+    (`tp_shards.PlacedSlice` through vLLM's expert loader, which stacks and unstacks each expert)."""
+    out = _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "(tp_shards)" in out.stdout
+    assert f"{TENSORS} of {TENSORS} tensors equal" in out.stdout and "PASS" in out.stdout
 
 
 def test_embedded_engine_passes_with_every_expert_equal(moe_dir):

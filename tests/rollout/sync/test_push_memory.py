@@ -160,3 +160,23 @@ def test_placed_slice_serves_the_loaders_narrow_and_refuses_anything_else():
     assert torch.equal(converted.narrow(0, 3, 3), piece.double())
     with pytest.raises(ValueError, match="cannot sit at 6"):
         PlacedSlice(piece, 0, 6, (8, 4))
+
+
+def test_placed_slice_takes_vllms_expert_stacking():
+    """vLLM's expert loader stacks one expert (`unsqueeze(0)`) and takes the stack apart (`unbind()`)
+    before its weight loader narrows the expert to the rank's rows: still placed, nothing copied."""
+    from megatron_dapo.rollout.sync.tp_shards import PlacedSlice
+
+    piece = torch.arange(12.0).view(3, 4)
+    with StorageLedger() as ledger:
+        placed = PlacedSlice(piece, 0, 3, (8, 4))
+        stacked = placed.unsqueeze(0)
+        assert isinstance(stacked, PlacedSlice) and stacked.shape == (1, 8, 4)
+        (expert,) = stacked.unbind()
+        assert isinstance(expert, PlacedSlice) and expert.shape == (8, 4)
+        assert expert.narrow(0, 3, 3).data_ptr() == piece.data_ptr() and torch.equal(expert[4:6], piece[1:3])
+        columns = placed.unsqueeze(-1)  # a dimension after the placed one
+        assert columns.shape == (8, 4, 1) and torch.equal(columns.narrow(0, 3, 3), piece[:, :, None])
+    assert ledger.allocated_bytes == 0
+    with pytest.raises(NotImplementedError, match="unbind along dim 0, the dimension a PlacedSlice holds only part of"):
+        placed.unbind(0)
