@@ -55,6 +55,9 @@ def prepare_routers(models: Sequence[torch.nn.Module]) -> list[Router]:
     """Switch the routers to Megatron's plain auxiliary-loss mode (module doc); returns them."""
     routers = find_routers(models)
     for router in routers:
+        if not hasattr(router, "calculate_per_token_loss"):  # set in Router.__init__ (megatron-core 0.16 to 0.19)
+            raise RuntimeError(f"{type(router).__name__} has no calculate_per_token_loss: this Megatron-Core scales "
+                               "the auxiliary losses in a way actor/moe.py does not know; use megatron-core 0.16 to 0.19")  # fmt: skip
         router.calculate_per_token_loss = False
     return routers
 

@@ -181,6 +181,15 @@ VLLM = Requirement(
             fields=("load_numel", "load_numel_total", "loaded_weights", "can_load"),
         ),
         Probe("vllm.model_executor.layers.attention", "is_deferred_attention_layer"),
+        # rollout/engines/vllm/experts.py: re-packing and reading back the CPU experts kernel's copy.
+        Probe("vllm._custom_ops", "cpu_prepack_moe_weight"),
+        Probe("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts",
+              fields=("process_weights_after_loading",)),  # fmt: skip
+        Probe("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts"),
+        Probe("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
+              fields=("process_weights_after_loading",)),  # fmt: skip
+        Probe("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
+        Probe("vllm.model_executor.utils", "is_weights_pre_processed"),
         Probe("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
         Probe("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
         *(
@@ -291,6 +300,13 @@ MEGATRON_CORE = Requirement(
         # distributed/cpu_compat.py sets / replaces these for MoE layers on CPU; model/load.py places experts.
         Probe("megatron.core.transformer.moe", "moe_utils"),
         Probe("megatron.core.transformer.moe", "token_dispatcher"),
+        Probe("megatron.core.tensor_parallel", "mappings"),
+        Probe("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
+        Probe("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"),
+        # actor/moe.py: the routers and their auxiliary-loss tracker.
+        Probe("megatron.core.transformer.moe.router", "Router"),
+        Probe("megatron.core.transformer.moe.moe_utils", "get_moe_layer_wise_logging_tracker"),
+        Probe("megatron.core.transformer.moe.moe_utils", "clear_aux_losses_tracker"),
         Probe("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction"),
         Probe("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
         Probe(
