@@ -33,7 +33,9 @@ Measured:
 (c) the weight-sync export that feeds the rollout engine (`rollout.sync.gather.iter_weight_buckets`,
     consumed to the end on both ranks; at EP=2 each expert is broadcast from its rank) of the MoE model
     at EP=1 and at EP=2, and of a dense Qwen3 model whose FFN (`experts x moe-ffn`) gives about the
-    same bytes, alternating, median of `--sync-rounds` with min-max, bytes of full HF tensors per second.
+    same bytes, alternating, median of `--sync-rounds` with min-max, bytes of full HF tensors per second;
+    and, as a control, the bytes the EP=2 export broadcasts (the experts) moved as one broadcast per
+    EP rank instead of one per expert tensor.
 
 The EP2/EP1 update ratio is given of the medians and, per round, of the adjacent runs (the machine's
 load changes less between two neighbouring runs than over the whole benchmark).
@@ -244,6 +246,20 @@ def drain_sync(models, hf_cfg) -> int:
     return sum(t.nbytes for bucket in iter_weight_buckets(models, hf_cfg) for _, t in bucket)
 
 
+def broadcast_experts_flat(expert_bytes_per_rank: int) -> Callable[[], None]:
+    """The control of the EP=2 export: the same expert bytes, each EP rank's as ONE broadcast over the EP group."""
+    from megatron.core import parallel_state
+
+    flat = torch.zeros(expert_bytes_per_rank // 4, dtype=torch.float32)
+
+    def run() -> None:
+        group = parallel_state.get_expert_model_parallel_group()
+        for source in dist.get_process_group_ranks(group):
+            dist.broadcast(flat, src=source, group=group)
+
+    return run
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})"
 
@@ -301,6 +317,8 @@ def main() -> None:
         update_times = alternate({name: (name, lambda a=actor: a.update([batch])) for name, actor in actors.items()},
                                  states, args.rounds)  # fmt: skip
         sync_bytes: dict[str, int] = {}
+        expert_bytes = memory["EP2", True]["params", "expert"]  # each EP rank's experts
+        sync_bytes["control"] = 2 * expert_bytes
 
         def sync(name: str, models) -> Callable[[], None]:
             def run() -> None:
@@ -310,7 +328,8 @@ def main() -> None:
 
         sync_times = alternate({"MoE EP1": ("EP1", sync("MoE EP1", actors["EP1"].models)),
                                 "MoE EP2": ("EP2", sync("MoE EP2", actors["EP2"].models)),
-                                "dense": ("EP1", sync("dense", dense_models))}, states, args.sync_rounds)  # fmt: skip
+                                "dense": ("EP1", sync("dense", dense_models)),
+                                "control": ("EP2", broadcast_experts_flat(expert_bytes))}, states, args.sync_rounds)  # fmt: skip
         dist.barrier()
 
     if rank == 0:
@@ -339,6 +358,8 @@ def main() -> None:
         print("\n(c) weight-sync export (gather, consumed to the end on both ranks)")
         base = statistics.median(sync_times["dense"])
         for name, values in sync_times.items():
+            if name == "control":
+                print("  control: the EP2 export's expert bytes, each rank's in one broadcast (no export)")
             print(f"  {name:<8} {sync_bytes[name] / 2**20:7.2f} MiB  {spread(values)}  "
                   f"{sync_bytes[name] / statistics.median(values) / 2**20:7.1f} MiB/s  x{statistics.median(values) / base:.2f} of dense")  # fmt: skip
     teardown()
