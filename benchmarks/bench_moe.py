@@ -182,7 +182,7 @@ class ExpertRanges:
 
 def actor_state_bytes(actor) -> dict[tuple[str, str], int]:
     """{(kind, "dense" | "expert"): bytes this rank holds} for params, grads, optimizer (module doc, (b))."""
-    out = {(kind, part): 0 for kind in KINDS for part in ("dense", "expert")}
+    out = {(kind, side): 0 for kind in KINDS for side in ("dense", "expert")}
     part = {False: "dense", True: "expert"}
     expert_param = ExpertRanges(actor.models)
     seen: set[int] = set()  # storages counted already (the optimizer's views of params and grads)
