@@ -79,13 +79,16 @@ def test_auxiliary_losses_are_a_mean_over_micro_batches_as_megatron_defines_them
     assert max(float(t.abs().max()) for t in saved["zero_coeffs"].values()) == 0.0
 
 
-@pytest.fixture(scope="module")
-def two_process_layouts(moe_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_layouts2")
-    result = run_torchrun_function(WORKER, "run_layouts", nproc=2, timeout=600,
-                                   kwargs={"model_dir": moe_dir, "out_dir": str(out), "layouts": TWO_PROCESSES})  # fmt: skip
+def _run_layouts(moe_dir: str, out: Path, layouts: list, nproc: int) -> tuple[list, Path]:
+    result = run_torchrun_function(WORKER, "run_layouts", nproc=nproc, timeout=600,
+                                   kwargs={"model_dir": moe_dir, "out_dir": str(out), "layouts": layouts})  # fmt: skip
     result.check()
     return result.rank_results, out
+
+
+@pytest.fixture(scope="module")
+def two_process_layouts(moe_dir, tmp_path_factory):
+    return _run_layouts(moe_dir, tmp_path_factory.mktemp("moe_layouts2"), TWO_PROCESSES, nproc=2)
 
 
 @pytest.mark.parametrize("name,reference", [("dp2ep2_alltoall", "dp2"), ("dp2ep2_distopt", "dp2_distopt")])
@@ -105,8 +108,4 @@ def test_tensor_and_sequence_parallel_with_either_dispatcher(four_process_layout
 
 @pytest.fixture(scope="module")
 def four_process_layouts(moe_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_layouts4")
-    result = run_torchrun_function(WORKER, "run_layouts", nproc=4, timeout=600,
-                                   kwargs={"model_dir": moe_dir, "out_dir": str(out), "layouts": FOUR_PROCESSES})  # fmt: skip
-    result.check()
-    return result.rank_results, out
+    return _run_layouts(moe_dir, tmp_path_factory.mktemp("moe_layouts4"), FOUR_PROCESSES, nproc=4)

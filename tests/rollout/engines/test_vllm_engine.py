@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from megatron_dapo.rollout.sync.bucketing import iter_buckets, write_safetensors
 from megatron_dapo.rollout.engines.vllm.engine import cpu_thread_binding
 from megatron_dapo.rollout.engines.vllm.io import vllm_sampling_kwargs
 from tiny_models import build_random_model
+from vllm_engines import start_test_engine, usable_tp
 
 # Lengths 1..9: batching and positions matter.
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
@@ -195,30 +194,10 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, require_vllm, tmp_path_factory):
-    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
-
     tied, hidden, heads, extra_vocab, seed, tp, bucket_mb = CASES[request.param]
-    cpus = len(os.sched_getaffinity(0))
-    if tp > 1 and cpus < tp:  # vLLM's CPU backend needs a CPU per TP worker
-        from ci import under_ci
-
-        message = f"the {request.param} case runs vLLM with TP={tp} and needs {tp} CPUs; this process may use {cpus}"
-        if under_ci():
-            pytest.fail(f"{message} (CI: the TP={tp} path must be tested, give the job {tp} CPUs)", pytrace=False)
-        warnings.warn(f"{message}: running it with TP=1 instead", stacklevel=1)
-        tp = 1
+    tp = usable_tp(tp, f"the {request.param} case")
     path = _save_qwen2(tmp_path_factory.mktemp(request.param), tied, hidden, heads, extra_vocab, seed)
-    started = time.perf_counter()
-    engine = VLLMEngine(
-        path,
-        tensor_parallel_size=tp,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        kv_cache_memory_bytes=32 * 2**20,  # CPU: do not size the KV cache from the machine's RAM
-        weight_bucket_mb=bucket_mb,
-    )
-    print(f"\n[vllm] {request.param} engine (tp={tp}) started in {time.perf_counter() - started:.1f}s")
+    engine = start_test_engine(path, tp, bucket_mb, request.param)
     temp_dirs = [engine._temp_dir, engine._transfer_dir]
     groups = set(engine._dist_idents)
     yield Case(request.param, engine, path, tp, bucket_mb, tied)

@@ -18,9 +18,6 @@ copy) and at TP = 1 leaves the engine off by nats (3.7 here) with its experts re
 
 from __future__ import annotations
 
-import os
-import time
-import warnings
 
 import pytest
 import torch
@@ -29,6 +26,7 @@ from megatron_dapo.model.hf_experts import expert_slot
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.sync.bucketing import iter_buckets
 from tiny_models import load_hf_model, save_tiny_model
+from vllm_engines import start_test_engine, usable_tp
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 LOG_PROB_TOLERANCE = 1e-5  # float32 engine vs float32 HF reference
@@ -63,29 +61,9 @@ class MoECase:
 
 @pytest.fixture(scope="module")
 def case(require_vllm, tmp_path_factory):
-    from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
-
-    tp, cpus = TP, len(os.sched_getaffinity(0))
-    if cpus < tp:  # vLLM's CPU backend needs a CPU per TP worker
-        from ci import under_ci
-
-        message = f"the MoE engine runs vLLM with TP={tp} and needs {tp} CPUs; this process may use {cpus}"
-        if under_ci():
-            pytest.fail(f"{message} (CI: the padded TP={tp} path must be tested, give the job {tp} CPUs)", pytrace=False)
-        warnings.warn(f"{message}: running it with TP=1 instead", stacklevel=1)
-        tp = 1
+    tp = usable_tp(TP, "the MoE engine")
     path = save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=3)
-    started = time.perf_counter()
-    engine = VLLMEngine(
-        path,
-        tensor_parallel_size=tp,
-        dtype="float32",
-        max_model_len=128,
-        enforce_eager=True,
-        kv_cache_memory_bytes=32 * 2**20,  # CPU: do not size the KV cache from the machine's RAM
-        weight_bucket_mb=BUCKET_MB,
-    )
-    print(f"\n[vllm] tiny Qwen3-MoE engine (tp={tp}) started in {time.perf_counter() - started:.1f}s")
+    engine = start_test_engine(path, tp, BUCKET_MB, "tiny Qwen3-MoE")
     yield MoECase(engine, path)
     engine.shutdown()
 
