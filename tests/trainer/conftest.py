@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,20 @@ def cli(*args: str, nproc: int = 1) -> list[str]:
 def run_cli(*args: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
     return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def stop_after_step(proc: subprocess.Popen, output_dir: Path, step: int, timeout: float) -> subprocess.CompletedProcess:
+    """Send the run `proc` SIGTERM (SLURM preemption) once its metrics hold `step`, then wait for it.
+    `proc` was opened with stdout=PIPE, stderr=STDOUT: its output comes back as stdout."""
+    metrics_file = output_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics_file.exists() and any(json.loads(l)["step"] == step for l in metrics_file.read_text().splitlines() if l.strip()):
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    output, _ = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
 def read_metrics(output_dir: Path) -> dict[int, dict]:

@@ -18,15 +18,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, stop_after_step, workspace_overrides
 
 TOTAL = ["trainer.total_steps=5"]
 BAD_INPUT = {  # case: (overrides, the key the error must name)
@@ -74,15 +72,7 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 def _run_stopped_after_step_3(command: list[str], output_dir: Path) -> subprocess.CompletedProcess:
     """The run, sent SIGTERM (SLURM preemption) once its metrics hold step 3; stdout and stderr together."""
     proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics_file = output_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics_file.exists() and any(json.loads(l)["step"] == 3 for l in metrics_file.read_text().splitlines() if l.strip()):
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.2)
-    output, _ = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+    return stop_after_step(proc, output_dir, 3, timeout=600)
 
 
 @pytest.fixture(scope="module")

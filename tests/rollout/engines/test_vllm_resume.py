@@ -12,18 +12,15 @@ carry an in-process engine's stream across the resume.)
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, stop_after_step, workspace_overrides
 
 VLLM = ["rollout.engine=vllm", "trainer.total_steps=3"]
 
@@ -61,16 +58,7 @@ def _run(args: list[str], cpu: int) -> subprocess.CompletedProcess:
 
 def _run_stopped_after_step_1(args: list[str], output_dir: Path, cpu: int) -> subprocess.CompletedProcess:
     """The run, sent SIGTERM (SLURM preemption) once its metrics hold step 1; stdout and stderr together."""
-    proc = _popen(args, cpu, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics_file = output_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics_file.exists() and any(json.loads(l)["step"] == 1 for l in metrics_file.read_text().splitlines() if l.strip()):
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.2)
-    output, _ = proc.communicate(timeout=900)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+    return stop_after_step(_popen(args, cpu, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), output_dir, 1, timeout=900)
 
 
 def _train_args(workspace, output_dir: Path) -> list[str]:
