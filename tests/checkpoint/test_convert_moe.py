@@ -3,7 +3,7 @@
 - HF -> Megatron -> HF of the tiny Qwen3-MoE and Qwen2-MoE in one plain Python process (recorded
   for TP=2 x EP=2): every tensor bit-identical, the converter's own logits check passes at 1e-5,
   and an EP that does not divide the experts is refused before anything is written.
-- One 4-process torchrun launch at EP=2, TP=2 x EP=2 and PP=2 x EP=2 (both token dispatchers):
+- One 4-process torchrun launch at EP=2, TP=2 x EP=2 and PP=2 x EP=2 (alltoall dispatcher):
   the converted checkpoint loads with Megatron's logits equal to HF's (1e-5), and the HF weights
   loaded at that layout and saved as a training checkpoint convert back to the original HF tensors
   bit for bit: each rank's experts are stored under their global ids.
@@ -25,7 +25,7 @@ WORKER = Path(__file__).parent / "_moe_checkpoint_worker.py"
 TOL = 1e-5
 LAYOUTS = [
     {"name": "ep2", "ep": 2, "dispatcher": "alltoall"},
-    {"name": "tp2ep2", "tp": 2, "ep": 2, "dispatcher": "allgather"},
+    {"name": "tp2ep2", "tp": 2, "ep": 2, "dispatcher": "alltoall"},
     {"name": "pp2ep2", "pp": 2, "ep": 2, "dispatcher": "alltoall"},
 ]
 LAYOUT_NAMES = [spec["name"] for spec in LAYOUTS]
