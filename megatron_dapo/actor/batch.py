@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_dapo.actor.routing import micro_batch_routing
 from megatron_dapo.data.micro_batches import pack_sequences, round_up, split_into_micro_batches
 from megatron_dapo.distributed.context_parallel import split_for_cp_rank
 
@@ -61,7 +62,11 @@ class PolicyBatch:
     * ``old_log_probs``, ``ref_log_probs``, ``rollout_log_probs`` ``[n, R]`` float, optional: log-probs of
       the response tokens under the behaviour policy (the actor before this update), the reference
       model, and the rollout engine (for the truncated-IS correction);
-    * ``advantages`` ``[n, R]`` per token or ``[n]`` per sequence, optional.
+    * ``advantages`` ``[n, R]`` per token or ``[n]`` per sequence, optional;
+    * ``routed_experts`` ``[n, T, L, k]`` integer, optional (mixture-of-experts models): the k experts
+      each of the L MoE layers routes token ``t`` of `tokens_of` ``(i)`` to, ``T`` = `sequence_width`.
+      When set, the forward passes replay it instead of routing (`actor.routing`);
+    * ``rollout_routed_experts``: the same, as the rollout engine routed (for R3 and the mismatch metric).
 
     ``compute_log_probs`` needs only the token fields; ``update`` needs ``old_log_probs`` and
     ``advantages`` (and ``ref_log_probs`` with a KL loss). An empty batch (``n = 0``) is valid: a
@@ -77,6 +82,8 @@ class PolicyBatch:
     advantages: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
+    rollout_routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.prompt_lengths = torch.as_tensor(self.prompt_lengths, dtype=torch.long)
@@ -108,6 +115,13 @@ class PolicyBatch:
                 raise ValueError(f"{name} must be [{n}, {width}] like response_ids, got {tuple(value.shape)}")
         if self.advantages is not None and tuple(self.advantages.shape) not in ((n, width), (n,)):
             raise ValueError(f"advantages must be [{n}, {width}] or [{n}], got {tuple(self.advantages.shape)}")
+        for name in ("routed_experts", "rollout_routed_experts"):
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 4 or tuple(value.shape[:2]) != (n, self.sequence_width)):
+                raise ValueError(
+                    f"{name} must be [{n}, {self.sequence_width}, layers, top-k] (sequence_width = prompt width + "
+                    f"response width - 1), got {tuple(value.shape)}"
+                )
 
     # ------------------------------------------------------------------ construction
 
@@ -157,6 +171,16 @@ class PolicyBatch:
     def response_width(self) -> int:
         """``R``: the width of every response-aligned tensor."""
         return self.response_ids.shape[1]
+
+    @property
+    def sequence_width(self) -> int:
+        """``T``: positions of a sequence the model can read, prompt width + response width - 1 (at least 1)."""
+        return max(self.prompt_ids.shape[1] + self.response_width - 1, 1)
+
+    def read_mask(self) -> torch.Tensor:
+        """``[n, T]`` bool, True on the positions of `tokens_of` the model reads (`model_lengths`)."""
+        lengths = torch.tensor(self.model_lengths(), dtype=torch.long)
+        return torch.arange(self.sequence_width)[None, :] < lengths[:, None]
 
     def response_valid_mask(self) -> torch.Tensor:
         """``[n, R]`` bool, True on the real tokens of each response."""
@@ -267,6 +291,12 @@ class MicroBatch:
     """Tokens of real sequences the model reads."""
     computed_tokens: int = 0
     """Token positions the model computes (real + padding), over the whole sequence (all CP ranks)."""
+    token_source: Optional[torch.Tensor] = None
+    """``[rows, S]`` long, before any context-parallel split: the flat position ``i * T + t`` in the
+    batch's ``[n, T]`` sequence positions of each input position, -1 on padding (`actor.routing`)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """``[rows, S, L, k]`` long, before any context-parallel split: the routing replayed at each input
+    position (from `PolicyBatch.routed_experts`), or None (the routers choose)."""
     context_parallel: int = 1
     """CP size the model inputs are split over (`split_for_context_parallel`); 1: full sequences. The
     per-token outputs are gathered back to full order over the CP group before ``gather_index`` applies."""
@@ -323,6 +353,7 @@ def build_micro_batch(
         input_ids, position_ids, label_ids = packed_inputs.input_ids, packed_inputs.position_ids, packed_labels.input_ids
         starts = packed_inputs.cu_seqlens_padded[:-1].to(torch.long)
         attention_mask, packed_seq_params = None, packed_inputs.packed_seq_params()
+        token_source = torch.full((1, input_ids.shape[1]), -1, dtype=torch.long, device=device)
     else:
         seq_length = round_up(max(x.numel() for x in inputs), pad_to_multiple_of)
         rows = len(inputs)
@@ -334,6 +365,13 @@ def build_micro_batch(
         position_ids = torch.arange(seq_length, device=device).expand(rows, seq_length).contiguous()
         starts = torch.arange(rows, device=device, dtype=torch.long) * seq_length
         attention_mask, packed_seq_params = None, None
+        token_source = torch.full((rows, seq_length), -1, dtype=torch.long, device=device)
+    # Input position starts[k] + t of sequence indices[k] is its token t, canonical position indices[k] * T + t.
+    flat_source = token_source.view(-1)
+    for k, index in enumerate(indices):
+        length = inputs[k].numel()
+        start = int(starts[k])
+        flat_source[start : start + length] = index * batch.sequence_width + torch.arange(length, device=device)
 
     columns = torch.arange(width, device=device)
     if count:
@@ -354,6 +392,9 @@ def build_micro_batch(
         return (taken[:, :width] if taken.dim() == 2 else taken).to(device)
 
     real = sum(x.numel() for x in inputs) if count else 0
+    routed = None
+    if batch.routed_experts is not None:
+        routed = micro_batch_routing(batch.routed_experts, token_source)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -370,6 +411,8 @@ def build_micro_batch(
         rollout_log_probs=rows_of(batch.rollout_log_probs),
         real_tokens=real,
         computed_tokens=int(input_ids.numel()),
+        token_source=token_source,
+        routed_experts=routed,
     )
 
 

@@ -11,7 +11,8 @@ Every rank of a model replica (its TP and PP ranks) must pass the same `PolicyBa
 ranks pass their own share, of any size (an empty one included). Collectives inside:
 
 * ``compute_log_probs``: the pipeline schedule, then a broadcast from the last stage, so every rank
-  returns the result. No data-parallel communication: ranks may run different micro-batch counts.
+  returns the result. No data-parallel communication, except with expert parallelism: expert-parallel
+  peers exchange tokens in every forward, so the data-parallel ranks agree on a micro-batch count.
 * ``update``: per mini-batch, one all-reduce of the loss token / sequence counts and one of the
   micro-batch count over DP (every DP rank runs the same number of micro-batches, the missing ones
   as zero-token micro-batches), the schedule with Megatron's DDP gradient reduction, the optimizer
@@ -20,8 +21,8 @@ ranks pass their own share, of any size (an empty one included). Collectives ins
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -44,7 +45,8 @@ from megatron_dapo.actor.forward import (
     response_log_probs,
     run_schedule,
 )
-from megatron_dapo.actor.moe import MoEStepStats, auxiliary_loss_scale, prepare_routers
+from megatron_dapo.actor.moe import MoEStepStats, auxiliary_loss_scale, find_routers, prepare_routers
+from megatron_dapo.actor.routing import RoutingPass, local_token_order, reduce_recorded, scatter_recorded
 from megatron_dapo.actor.objective import (
     STAT_NAMES,
     GlobalCounts,
@@ -123,6 +125,23 @@ class ReferenceModel:
         self.packed = layer_spec_of(self.models[0]) == TE_SPEC and self.cp_size == 1
         tp = ps.get_tensor_model_parallel_world_size()
         self.pad_to_multiple_of = cp_pad_multiple(self.cp_size, tp, self.config.sequence_parallel)
+        # Where a router sees its tokens (`actor.routing.local_token_order`): this rank's CP chunks and,
+        # with sequence parallelism, its TP slice of them.
+        self._token_order = dict(cp_size=self.cp_size, cp_rank=self.cp_rank)
+        if self.config.sequence_parallel and tp > 1:
+            self._token_order.update(sp_size=tp, sp_rank=ps.get_tensor_model_parallel_rank())
+        self._chunk_routers = {id(model): find_routers([model]) for model in self.models}
+
+    def _routing_pass(self, replay: bool) -> RoutingPass:
+        if not any(self._chunk_routers.values()):
+            raise ValueError("routing replay and recording need a mixture-of-experts model: this one has no MoE router")
+        recompute = getattr(self.config, "recompute_granularity", None) == "full"
+        return RoutingPass(self._chunk_routers, replay=replay, recompute=recompute)
+
+    def _replay_routing(self, routing, model, mb: MicroBatch) -> None:
+        """Before a chunk's forward: its routers take the micro-batch's routing, in their token order."""
+        if routing is not None and mb.routed_experts is not None:
+            routing.before_forward(model, local_token_order(mb.routed_experts, **self._token_order))
 
     @property
     def gpt_models(self) -> list[torch.nn.Module]:
@@ -151,6 +170,18 @@ class ReferenceModel:
             plan = plan_micro_batches(lengths, min_count=wanted, **options)
         return plan
 
+    def synchronised_plan(self, batch: PolicyBatch, max_tokens: Optional[int] = None) -> list[list[int]]:
+        """This rank's micro-batches, as many as the data-parallel rank that needs the most.
+
+        ``max_tokens``: the token budget (default: the training one)."""
+        budget = self.settings.max_tokens_per_micro_batch if max_tokens is None else max_tokens
+        local = self.plan(batch, budget)
+        count = torch.tensor([len(local)], dtype=torch.long, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        if int(count) == len(local):
+            return local
+        return self.plan(batch, budget, min_count=int(count))
+
     def build_micro_batches(self, batch: PolicyBatch, plan: Sequence[Sequence[int]]) -> list[MicroBatch]:
         """Model inputs for each planned micro-batch, on the models' device."""
         micro_batches = [
@@ -177,23 +208,52 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ forward only
 
-    @torch.no_grad()
     def compute_log_probs(
         self, batch: PolicyBatch, with_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs ``[n, R]`` float32 of the response tokens (0 past each response), on every rank.
 
-        With ``with_entropy`` also the entropy of the policy at those positions, same shape.
+        With ``with_entropy`` also the entropy of the policy at those positions, same shape. A batch
+        with ``routed_experts`` is computed with that routing replayed (`actor.routing`).
         """
+        result, _ = self._forward_only(batch, with_entropy, record_routing=False)
+        return (result[0], result[1]) if with_entropy else result[0]
+
+    def compute_log_probs_and_routing(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs as `compute_log_probs`, and the routing the model chose: ``[n, T, L, k]`` int32
+        (`PolicyBatch.routed_experts`' layout), complete for the MoE layers of this rank's pipeline
+        stage, -1 at the other stages' layers and at positions the model does not read."""
+        result, routing = self._forward_only(batch, False, record_routing=True)
+        return result[0], routing
+
+    @torch.no_grad()
+    def _forward_only(self, batch: PolicyBatch, with_entropy: bool, record_routing: bool):
         s = self.settings
         budget = s.max_tokens_per_micro_batch if s.forward_max_tokens_per_micro_batch is None else s.forward_max_tokens_per_micro_batch
-        micro_batches = self.build_micro_batches(batch, self.plan(batch, budget))
+        if ps.get_expert_model_parallel_world_size() > 1:
+            plan = self.synchronised_plan(batch, budget)
+        else:
+            plan = self.plan(batch, budget)
+        micro_batches = self.build_micro_batches(batch, plan)
         for model in self.models:
             model.eval()
+        replay = batch.routed_experts is not None
+        routing = self._routing_pass(replay=True) if replay else None
+        if record_routing:
+            if replay:
+                raise ValueError("a batch with routed_experts is replayed, not recorded")
+            routing = self._routing_pass(replay=False)
+            layers, topk = self.config.num_layers, self.config.moe_router_topk
+            recorded = torch.full((batch.num_sequences, batch.sequence_width, layers, topk), -1, dtype=torch.int32, device=self.device)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            self._replay_routing(routing, model, mb)
             output = model_forward(model, mb)
+            if record_routing:
+                positions = local_token_order(mb.token_source, **self._token_order)
+                for layer, chosen in routing.recorded(model):
+                    scatter_recorded(recorded, chosen, positions, layer)
 
             def collect(output_tensor, non_loss_data=False):
                 log_probs, entropy = response_log_probs(
@@ -203,7 +263,8 @@ class ReferenceModel:
 
             return output, collect
 
-        store = run_schedule(self.models, micro_batches, forward_step, forward_only=True, collect_non_loss_data=True)
+        with routing if routing is not None else contextlib.nullcontext():
+            store = run_schedule(self.models, micro_batches, forward_step, forward_only=True, collect_non_loss_data=True)
         n, width = batch.num_sequences, batch.response_width
         rows = 2 if with_entropy else 1
         result = torch.zeros((rows, n, width), dtype=torch.float32, device=self.device)
@@ -214,7 +275,10 @@ class ReferenceModel:
                 if with_entropy:
                     result[1, sequence_index, :columns] = entropy
         result = broadcast_from_last_stage(result)
-        return (result[0], result[1]) if with_entropy else result[0]
+        if not record_routing:
+            return result, None
+        # Each TP (with SP) and CP rank recorded its own tokens; every rank of the stage gets all of them.
+        return result, reduce_recorded(recorded, ps.get_tensor_and_context_parallel_group())
 
 
 class MegatronActor(ReferenceModel):
@@ -275,15 +339,6 @@ class MegatronActor(ReferenceModel):
             width = int(widest)
         return GlobalCounts(num_tokens=float(counts[0]), num_seqs=float(counts[1]), response_width=width)
 
-    def synchronised_plan(self, batch: PolicyBatch) -> list[list[int]]:
-        """This rank's micro-batches, as many as the data-parallel rank that needs the most."""
-        local = self.plan(batch, self.settings.max_tokens_per_micro_batch)
-        count = torch.tensor([len(local)], dtype=torch.long, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp_group())
-        if int(count) == len(local):
-            return local
-        return self.plan(batch, self.settings.max_tokens_per_micro_batch, min_count=int(count))
-
     # ------------------------------------------------------------------ one mini-batch
 
     def compute_gradients(self, batch: PolicyBatch) -> torch.Tensor:
@@ -297,8 +352,11 @@ class MegatronActor(ReferenceModel):
         s = self.settings
         entropy_needed = s.compute_entropy or self.objective.entropy_coeff != 0
 
+        routing = self._routing_pass(replay=True) if batch.routed_experts is not None else None
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            self._replay_routing(routing, model, mb)
             output = model_forward(model, mb)
 
             def loss_func(output_tensor):
@@ -316,7 +374,8 @@ class MegatronActor(ReferenceModel):
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with auxiliary_loss_scale(self._routers, len(micro_batches), ps.get_data_parallel_world_size()):
-            store = run_schedule(self.models, micro_batches, forward_step, forward_only=False)
+            with routing if routing is not None else contextlib.nullcontext():
+                store = run_schedule(self.models, micro_batches, forward_step, forward_only=False)
         self._micro_batches_run += len(micro_batches)
 
         sums = torch.zeros(len(STAT_NAMES) + len(_EXTRA_STATS), dtype=torch.float64, device=self.device)

@@ -279,6 +279,9 @@ def _moe_kwargs(
         expert_model_parallel_size=expert_parallel,
         moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff else None,
     )
+    if "moe_enable_routing_replay" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        # A RouterReplay per router (megatron-core >= 0.16): idle unless actor.routing drives it.
+        kwargs["moe_enable_routing_replay"] = True
     if cfg.shared_expert_ffn_hidden_size is not None:
         kwargs.update(moe_shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size, moe_shared_expert_gate=True)
     return kwargs
