@@ -56,6 +56,9 @@ class SamplingParams:
     call and SGLang per sample (its seeded sampling is batched): both ignore this."""
     logprobs: bool = True
     """Return the engine's log-prob of each sampled token (under the sampling temperature)."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: return the experts each MoE layer routed every token to
+    (`GenerationOutput.routed_experts`), for rollout routing replay (`actor.router_replay: r3`)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -83,6 +86,10 @@ class GenerationOutput:
     log_probs: Optional[list[torch.Tensor]] = None
     """float32 per response, one value per response token: the engine's log-prob of the sampled token."""
     finish_reasons: list[str] = field(default_factory=list)
+    routed_experts: Optional[list[torch.Tensor]] = None
+    """int32 ``[prompt + response - 1, MoE layers, top-k]`` per response when asked
+    (`SamplingParams.return_routed_experts`): the experts of every token the model read, prompt
+    first; the last response token is never read. Expert order within a token is the engine's."""
 
     @property
     def response_lengths(self) -> torch.Tensor:

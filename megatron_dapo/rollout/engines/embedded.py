@@ -26,6 +26,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from megatron_dapo.model.hf_routing import RoutingRecorder
 from megatron_dapo.model.hf_experts import expert_slot, is_fused_experts, slots_per_fused, unfused_experts
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 
@@ -251,6 +253,7 @@ class EmbeddedEngine(RolloutEngine):
             return GenerationOutput(
                 prompt_index=[], response_ids=[], truncated=torch.zeros(0, dtype=torch.bool),
                 log_probs=[] if params.logprobs else None, finish_reasons=[],
+                routed_experts=[] if params.return_routed_experts else None,
             )
         generator = torch.Generator(device=self.device)
         if params.seed is not None:
@@ -261,6 +264,7 @@ class EmbeddedEngine(RolloutEngine):
         num_responses = len(prompt_ids) * params.n
         responses: list[Optional[list[int]]] = [None] * num_responses
         log_probs: list[Optional[torch.Tensor]] = [None] * num_responses
+        routing: list[Optional[torch.Tensor]] = [None] * num_responses
         reasons: list[str] = [""] * num_responses
         lengths = [len(prompt) for prompt in prompt_ids]
         for groups in plan_sub_batches(lengths, params.n, params.max_new_tokens, self.max_batch_tokens):
@@ -270,13 +274,14 @@ class EmbeddedEngine(RolloutEngine):
             batch_prompts = [prompt_ids[group.prompt_index] for group in groups]
             counts = [group.count for group in groups]
             with torch.no_grad():
-                batch_tokens, batch_log_probs, batch_reasons = self._generate_sub_batch(
+                batch_tokens, batch_log_probs, batch_reasons, batch_routing = self._generate_sub_batch(
                     batch_prompts, counts, params, generator
                 )
             for row, slot in enumerate(slots):
                 responses[slot] = batch_tokens[row]
                 log_probs[slot] = batch_log_probs[row] if params.logprobs else None
                 reasons[slot] = batch_reasons[row]
+                routing[slot] = batch_routing[row] if batch_routing is not None else None
 
         return GenerationOutput(
             prompt_index=[index for index in range(len(prompt_ids)) for _ in range(params.n)],
@@ -284,6 +289,7 @@ class EmbeddedEngine(RolloutEngine):
             truncated=torch.tensor([reason == FINISH_LENGTH for reason in reasons], dtype=torch.bool),
             log_probs=log_probs if params.logprobs else None,  # type: ignore[arg-type]
             finish_reasons=reasons,
+            routed_experts=routing if params.return_routed_experts else None,  # type: ignore[arg-type]
         )
 
     def _generate_sub_batch(
@@ -292,20 +298,24 @@ class EmbeddedEngine(RolloutEngine):
         counts: Sequence[int],
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> tuple[list[list[int]], list[torch.Tensor], list[str]]:
+    ) -> tuple[list[list[int]], list[torch.Tensor], list[str], Optional[list[torch.Tensor]]]:
         """Decode `counts[i]` samples of `prompts[i]`; rows in order (prompt 0's samples first)."""
         device = self.device
         input_ids, attention_mask, position_ids = left_pad(prompts, device)
         cache = _new_cache(self.model)
+        # Routing of every token the model reads: the prefill's, then one token per row per decode step.
+        recorder = RoutingRecorder(self.model) if params.return_routed_experts else contextlib.nullcontext()
         # Prefill each distinct prompt once; only the last position's logits are needed.
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with recorder:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        prompt_routing = recorder.take(*input_ids.shape) if params.return_routed_experts else None
         expand = torch.repeat_interleave(
             torch.arange(len(prompts), device=device), torch.as_tensor(list(counts), device=device)
         )
@@ -326,6 +336,8 @@ class EmbeddedEngine(RolloutEngine):
         out_log_probs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)
         response_lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=device)
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        if prompt_routing is not None:
+            response_routing = torch.zeros(num_rows, max_new, *prompt_routing.shape[2:], dtype=torch.int32, device=device)
 
         # `live` maps each row of the running batch to its output row; `alive` marks the rows still
         # decoding (a finished row stays in the batch, ignored, until the next compaction). Every
@@ -355,23 +367,37 @@ class EmbeddedEngine(RolloutEngine):
                 live, alive, next_tokens = live[keep], alive[keep], tokens[keep]
                 attention_mask, next_position = attention_mask[keep], next_position[keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=-1)
-            out = self.model(
-                input_ids=next_tokens.unsqueeze(-1),
-                attention_mask=attention_mask,
-                position_ids=next_position.unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            )
+            with recorder:
+                out = self.model(
+                    input_ids=next_tokens.unsqueeze(-1),
+                    attention_mask=attention_mask,
+                    position_ids=next_position.unsqueeze(-1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+            if prompt_routing is not None:  # the routing of response token `step`, read in this forward
+                response_routing[live, step] = recorder.take(live.numel(), 1)[:, 0]
             logits = out.logits[:, -1, :].float()
             next_position = next_position + 1
             del out
 
         lengths = response_lengths.tolist()
         tokens_cpu, log_probs_cpu, stopped_cpu = out_tokens.cpu(), out_log_probs.cpu(), stopped.tolist()
+        routing = None
+        if prompt_routing is not None:
+            # Prompt tokens (right-aligned in the left-padded prefill), then the response tokens but the last.
+            width, prompt_rows = input_ids.shape[1], expand.tolist()
+            prompt_cpu, response_cpu = prompt_routing.cpu(), response_routing.cpu()
+            routing = [
+                torch.cat([prompt_cpu[prompt_rows[row], width - len(prompts[prompt_rows[row]]) :],
+                           response_cpu[row, : max(lengths[row] - 1, 0)]])  # fmt: skip
+                for row in range(num_rows)
+            ]
         return (
             [tokens_cpu[row, : lengths[row]].tolist() for row in range(num_rows)],
             [log_probs_cpu[row, : lengths[row]].clone() for row in range(num_rows)],
             [FINISH_STOP if stopped_cpu[row] else FINISH_LENGTH for row in range(num_rows)],
+            routing,
         )
 
     def _stop_string_hits(
