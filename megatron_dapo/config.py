@@ -56,6 +56,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "engine_returns_routing",
     "load_config",
     "config_to_dict",
 ]
@@ -128,7 +129,8 @@ class MoEConfig:
 
 @dataclass
 class ActorConfig:
-    """Where the actor's state lives while the rollout engine generates (`actor/offload.py`).
+    """Where the actor's state lives while the rollout engine generates (`actor/offload.py`), and how
+    a mixture-of-experts actor routes (`router_replay`).
 
     Offloaded state goes to host memory (pinned on GPUs) after the update and comes back before the
     next old log-probs, so the engine can take the GPU: raise rollout.gpu_memory_utilization by what
@@ -143,6 +145,11 @@ class ActorConfig:
     from zeroed grads, so they come back as zeros and take no host memory)."""
     offload_optimizer: bool = False
     """Move the optimizer state (fp32 main params, Adam moments) to host memory during generation."""
+    router_replay: Literal["off", "r2", "r3"] = "off"
+    """Mixture-of-experts models: rollout routing replay (`actor/routing.py`). "off": the actor's routers
+    choose; "r2": the update replays the experts the actor chose in its old-log-prob pass; "r3": the
+    old-log-prob pass and the update replay the experts the rollout engine chose for every token (the
+    engine returns them), which removes the engine/trainer routing mismatch behind MoE RL collapse."""
 
     @property
     def offload_any(self) -> bool:
@@ -166,6 +173,10 @@ class RolloutConfig:
     tp: int = 1
     """Tensor-parallel size of each rollout engine (must divide the world size)."""
     gpu_memory_utilization: float = 0.6
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: have vLLM / SGLang return the experts of every token even when
+    `actor.router_replay` is not "r3" (which always asks), for the routing-mismatch metrics
+    (`rollout_mismatch/routing_*`). The embedded engine returns them on every MoE model."""
     free_cache_engine: bool = True
     """Sleep the engine during training to free its GPU memory (how deeply: rollout.sleep_level;
     GPU engines only, a no-op on CPU)."""
@@ -787,6 +798,19 @@ def validate_model_shape(cfg: Config, hf_config: dict) -> None:
         )
         experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
         validate_expert_parallel(cfg.parallel.ep, num_experts=experts, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    _require(
+        cfg.actor.router_replay == "off" or experts > 0,
+        f"'actor.router_replay'={cfg.actor.router_replay} replays mixture-of-experts routing, but 'model.hf_dir' "
+        f"holds a dense model ({hf_config.get('model_type', 'no model_type')}): set actor.router_replay: off",
+    )
+
+
+def engine_returns_routing(cfg: Config, is_moe: bool) -> bool:
+    """Whether the rollout engine is asked for each token's routed experts: mixture-of-experts models
+    with `actor.router_replay` r3 or `rollout.return_routed_experts`, and always with the embedded
+    engine (it records them from its own forward at no cost worth counting)."""
+    wanted = cfg.actor.router_replay == "r3" or cfg.rollout.return_routed_experts or cfg.rollout.engine == "embedded"
+    return is_moe and wanted
 
 
 def validate_world(cfg: Config, world_size: int) -> int:

@@ -46,7 +46,14 @@ from megatron_dapo.actor.forward import (
     run_schedule,
 )
 from megatron_dapo.actor.moe import MoEStepStats, auxiliary_loss_scale, find_routers, prepare_routers
-from megatron_dapo.actor.routing import RoutingPass, local_token_order, reduce_recorded, scatter_recorded
+from megatron_dapo.actor.routing import (
+    RoutingMismatch,
+    RoutingPass,
+    local_token_order,
+    pooled_routing_mismatch,
+    reduce_recorded,
+    scatter_recorded,
+)
 from megatron_dapo.actor.objective import (
     STAT_NAMES,
     GlobalCounts,
@@ -225,6 +232,14 @@ class ReferenceModel:
         stage, -1 at the other stages' layers and at positions the model does not read."""
         result, routing = self._forward_only(batch, False, record_routing=True)
         return result[0], routing
+
+    def routing_mismatch(self, batch: PolicyBatch, recorded: torch.Tensor) -> RoutingMismatch:
+        """Tokens the engine (``batch.rollout_routed_experts``) and the actor (``recorded``, from
+        `compute_log_probs_and_routing`) routed differently, over all stages and replicas (a collective)."""
+        return pooled_routing_mismatch(
+            batch.rollout_routed_experts, recorded, batch.read_mask(),
+            ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(),
+        )  # fmt: skip
 
     @torch.no_grad()
     def _forward_only(self, batch: PolicyBatch, with_entropy: bool, record_routing: bool):

@@ -47,6 +47,7 @@ __all__ = [
     "fill_routing",
     "local_token_order",
     "micro_batch_routing",
+    "pooled_routing_mismatch",
     "reduce_recorded",
     "routing_mismatch",
     "scatter_recorded",
@@ -64,8 +65,8 @@ def fill_routing(shape: Sequence[int], device=None) -> torch.Tensor:
 def micro_batch_routing(routed_experts: torch.Tensor, token_source: torch.Tensor) -> torch.Tensor:
     """``[rows, S, L, k]`` long: the routing of each input position of a micro-batch.
 
-    ``routed_experts`` is the batch's ``[n, T, L, k]``; ``token_source`` ``[rows, S]`` the canonical
-    flat position (``i * T + t``) of each input position, -1 where there is no token.
+    ``routed_experts`` is the batch's ``[n, T, L, k]`` (-1 where unknown); ``token_source`` ``[rows, S]``
+    the canonical flat position (``i * T + t``) of each input position, -1 where there is no token.
     """
     n, width, layers, topk = routed_experts.shape
     flat = routed_experts.reshape(n * width, layers, topk).to(torch.long)
@@ -73,8 +74,9 @@ def micro_batch_routing(routed_experts: torch.Tensor, token_source: torch.Tensor
     if flat.shape[0] == 0:  # an empty share: its micro-batch is one row of padding
         return fill_routing((*source.shape, layers, topk), flat.device)
     taken = flat[source.clamp(min=0)]
-    padding = (source < 0)[..., None, None]
-    return torch.where(padding, fill_routing(taken.shape, taken.device), taken)
+    # Padding, and positions the routing does not cover (negative entries), take the fill routing.
+    missing = ((source < 0)[..., None] | (taken < 0).any(dim=-1))[..., None]
+    return torch.where(missing, fill_routing(taken.shape, taken.device), taken)
 
 
 def local_token_order(
@@ -202,6 +204,25 @@ class RoutingPass:
     def recorded(self, chunk: torch.nn.Module) -> list[tuple[int, torch.Tensor]]:
         """(layer index, ``[tokens, k]``) the chunk's routers chose in the forward that just ran."""
         return [(router.layer_number - 1, router.router_replay.get_recorded_indices()) for router in self.chunk_routers[id(chunk)]]
+
+
+def pooled_routing_mismatch(engine: torch.Tensor, actor: torch.Tensor, read: torch.Tensor, stage_group, data_group) -> RoutingMismatch:
+    """`routing_mismatch` over the whole batch (a collective): a token differs when it does in a
+    layer of any pipeline stage; counts summed over the data-parallel replicas."""
+    differs, differing_layers = routing_mismatch(engine.to(actor.device), actor, read.to(actor.device))
+    differs = differs.to(torch.int64)
+    for group, op, value in ((stage_group, dist.ReduceOp.MAX, differs), (stage_group, dist.ReduceOp.SUM, differing_layers)):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=op, group=group)
+    layers = actor.shape[2]
+    read = read.to(actor.device)
+    counts = torch.tensor(
+        [float(read.sum()), float(differs[read].sum()), float(read.sum()) * layers, float(differing_layers[read].sum())],
+        dtype=torch.float64, device=actor.device,
+    )  # fmt: skip
+    if data_group is not None and dist.get_world_size(data_group) > 1:
+        dist.all_reduce(counts, group=data_group)
+    return RoutingMismatch(*(float(c) for c in counts))
 
 
 def reduce_recorded(routing: torch.Tensor, group) -> torch.Tensor:

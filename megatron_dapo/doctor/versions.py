@@ -150,6 +150,8 @@ VLLM = Requirement(
         Probe("vllm", "LLM", fields=("collective_rpc", "generate", "reset_prefix_cache", "sleep", "wake_up")),
         # rollout/engines/vllm/io.py asks for flat log-probs (one list per response, no per-token dicts).
         Probe("vllm", "SamplingParams", fields=("flat_logprobs",)),
+        Probe("vllm.entrypoints.llm", "LLM.__init__", parameters=("enable_return_routed_experts",)),
+        Probe("vllm.outputs", "CompletionOutput", fields=("routed_experts",)),
         Probe("vllm.inputs", "TokensPrompt"),
         Probe("vllm.platforms", "current_platform"),
         # LLM(**kwargs) hands these to EngineArgs; an unknown one raises only when the engine starts.
@@ -236,6 +238,7 @@ SGLANG = Requirement(
             ),
         ),
         Probe("sglang.srt.entrypoints.engine", "Engine.begin_weight_update", parameters=("selector",)),
+        Probe("sglang.srt.entrypoints.engine", "Engine.generate", parameters=("return_routed_experts",)),
         Probe(
             "sglang.srt.entrypoints.engine",
             "Engine.update_weights_from_tensor",
@@ -305,6 +308,13 @@ MEGATRON_CORE = Requirement(
         Probe("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"),
         # actor/moe.py: the routers and their auxiliary-loss tracker.
         Probe("megatron.core.transformer.moe.router", "Router"),
+        # actor/routing.py (rollout routing replay)
+        Probe("megatron.core.transformer.moe.router_replay", "RouterReplayAction",
+              fields=("RECORD", "REPLAY_FORWARD", "REPLAY_BACKWARD")),  # fmt: skip
+        Probe("megatron.core.transformer.moe.router_replay", "RouterReplay",
+              fields=("set_target_indices", "get_recorded_indices", "set_router_replay_action",
+                      "clear_router_replay_action", "clear_indices")),  # fmt: skip
+        Probe("megatron.core.transformer.transformer_config", "TransformerConfig", fields=("moe_enable_routing_replay",)),
         Probe("megatron.core.transformer.moe.moe_utils", "get_moe_layer_wise_logging_tracker"),
         Probe("megatron.core.transformer.moe.moe_utils", "clear_aux_losses_tracker"),
         Probe("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction"),

@@ -79,6 +79,13 @@ def make_engine(
     """
     r = cfg.rollout
     max_model_len = r.max_prompt_length + r.max_response_length + 8
+    if r.engine != "embedded":
+        from megatron_dapo.config import engine_returns_routing
+        from megatron_dapo.model.hf_config import read_hf_config
+
+        # Read the model's config only when routing is asked for (a dense model ignores the request).
+        wanted = engine_returns_routing(cfg, is_moe=True)
+        routing = {"return_routed_experts": wanted and read_hf_config(hf_dir).is_moe}
     if r.engine == "embedded":
         return EmbeddedEngine(hf_dir, dtype=getattr(torch, cfg.model.dtype), device=device)
     if r.engine == "vllm":
@@ -99,6 +106,7 @@ def make_engine(
             weight_bucket_mb=r.weight_sync_bucket_mb,
             placement=placement,
             visible_devices=devices.cuda_visible_devices if devices is not None and placement == "leader" else None,
+            **routing,
             **kwargs,
         )
     if r.engine == "sglang":
@@ -113,6 +121,7 @@ def make_engine(
             seed=r.seed,
             weight_bucket_mb=r.weight_sync_bucket_mb,
             device=device.type,  # CPU: SGLang's CPU engine (and sglang_cpu_compat where its kernels are missing)
+            **routing,
             **({} if devices is None else {"base_gpu_id": devices.base_gpu_id, "gpu_id_step": devices.gpu_id_step}),
         )
     raise ValueError(f"unknown rollout.engine {r.engine!r}")

@@ -20,6 +20,7 @@ GPU between engine and actor), `preemption` (SIGTERM), `checkpointing`, `validat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import reduce
 from pathlib import Path
@@ -31,7 +32,7 @@ from megatron_dapo.actor import split_mini_batches
 from megatron_dapo.actor.offload import ActorOffload
 from megatron_dapo.algorithm.advantage import grpo_advantages
 from megatron_dapo.algorithm.mismatch import log_prob_mismatch
-from megatron_dapo.config import Config
+from megatron_dapo.config import Config, engine_returns_routing
 from megatron_dapo.data.sampler import shard_for_rank
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_from_leaders, is_logging_rank
 from megatron_dapo.distributed.setup import teardown
@@ -65,6 +66,7 @@ class DAPOTrainer:
         self.sampler = build_prompt_sampler(cfg, len(self.train_data))
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.buffer = build_sampling_buffer(cfg)
+        self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe)
         self.step = 0
         self.sigterm = SigtermFlag()
         self._last_saved_step: Optional[int] = None
@@ -124,13 +126,13 @@ class DAPOTrainer:
         advantages = grpo_advantages(torch.tensor(train.score), train.uid, norm_by_std=cfg.algorithm.norm_adv_by_std)
         batch = self._policy_batch(train, advantages)
         onloaded = self.handover.to_actor(timer)
-        # 3. Old-policy (and reference) log-probs of the responses.
+        # 3. Old-policy (and reference) log-probs of the responses; MoE: the routing the update replays.
         with timer.phase(Phase.OLD_LOG_PROB):
-            batch.old_log_probs = self.actor.compute_log_probs(batch).cpu()  # the batch lives on the CPU
+            routing_mismatch = self._old_log_probs(batch)
         if self.reference is not None:
-            with timer.phase(Phase.REF):
-                batch.ref_log_probs = self.reference.compute_log_probs(batch).cpu()
-        mismatch = self._mismatch(batch)
+            with timer.phase(Phase.REF):  # the reference routes as it likes: the KL is to that policy
+                batch.ref_log_probs = self.reference.compute_log_probs(dataclasses.replace(batch, routed_experts=None)).cpu()
+        mismatch = {**self._mismatch(batch), **routing_mismatch}
         self._stop_before_update_if_asked(start)
         # 4. The update: ppo_mini_batch_size prompts per optimizer step, exact global token-mean.
         num_mini_batches = cfg.trainer.train_batch_size // cfg.trainer.ppo_mini_batch_size
@@ -163,6 +165,7 @@ class DAPOTrainer:
         params = SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_length,
             stop=tuple(r.stop), seed=generation_seed(r.seed, self.step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
+            return_routed_experts=self.engine_routing,
         )  # fmt: skip
         local = generate_and_score(
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,
@@ -176,6 +179,27 @@ class DAPOTrainer:
         mine = Samples.from_fields({k: [v[i] for i in rows] for k, v in train.as_fields().items()})
         width = max(1, max(len(r) for r in mine.response_ids))
         return build_policy_batch(mine, advantages[rows], self.tokenizer.pad_token_id, width, self.cfg.algorithm.overlong_filter)
+
+    def _old_log_probs(self, batch) -> dict[str, float]:
+        """Set ``batch.old_log_probs`` and, with `actor.router_replay`, the ``routed_experts`` the update
+        replays (r3: the engine's, also in this pass; r2: the actor's own choice here). Returns the
+        routing-mismatch metrics where the engine's routing is there and not replayed."""
+        replay = self.cfg.actor.router_replay
+        engine_routing = batch.rollout_routed_experts
+        if replay == "r3":
+            if engine_routing is None:
+                raise RuntimeError("actor.router_replay=r3 but the rollout engine returned no routed experts")
+            batch.routed_experts = engine_routing
+        if replay == "r3" or (replay == "off" and engine_routing is None):
+            batch.old_log_probs = self.actor.compute_log_probs(batch).cpu()  # the batch lives on the CPU
+            return {}
+        log_probs, chosen = self.actor.compute_log_probs_and_routing(batch)
+        batch.old_log_probs = log_probs.cpu()
+        if replay == "r2":
+            batch.routed_experts = chosen.cpu()
+        if engine_routing is None:
+            return {}
+        return metrics.routing_mismatch_metrics(self.actor.routing_mismatch(batch, chosen))
 
     def _mismatch(self, batch) -> dict[str, float]:
         """|rollout - trainer| log-prob statistics of the train batch, all replicas pooled."""

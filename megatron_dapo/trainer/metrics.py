@@ -15,6 +15,9 @@ Names follow verl's where verl has one, so that dashboards and the paper's curve
     train/num_gen_batches, train/num_groups_*, train/num_samples_reward_failed
                                        dynamic sampling (`DynamicSamplingBuffer.stats`); train/epoch
     rollout_mismatch/{mean_abs,max_abs,k3_kl,tokens}   |rollout - trainer| log-probs (`algorithm.mismatch`)
+    rollout_mismatch/routing_{token,layer}_frac        MoE models whose engine returns its routing, unless
+                                       replayed from it (r3): tokens routed to other experts by the actor in
+                                       at least one layer, and (token, layer) pairs (`actor.routing`)
     weight_sync/{seconds,gb_per_s}     the push of the new weights into the engine
     actor_offload/{gb,dropped_grads_gb,offload_gb_per_s,onload_gb_per_s}
     timing_s/<phase>                   seconds per `Phase` of the step; timing_s/step, timing_s/validation
@@ -120,6 +123,14 @@ def actor_metrics(update: dict[str, float]) -> dict[str, float]:
 def mismatch_metrics(stats: Any) -> dict[str, float]:
     """`algorithm.mismatch.MismatchStats` pooled over the replicas, as `rollout_mismatch/*`."""
     return stats.as_metrics(prefix=ROLLOUT_MISMATCH)
+
+
+def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
+    """`actor.routing.RoutingMismatch` of the train batch, as `rollout_mismatch/routing_*`."""
+    return {
+        f"{ROLLOUT_MISMATCH}routing_{name.removeprefix('routing_mismatch_')}": value
+        for name, value in mismatch.metrics().items()
+    }
 
 
 def weight_sync_metrics(synced: Any) -> dict[str, float]:

@@ -50,21 +50,39 @@ class Samples:
     data_source: list[str]
     reward_error: list[Optional[str]]
     """Why the reward function failed on the response (it then scores reward.min_reward), None where it scored."""
+    routed_experts: Optional[list[torch.Tensor]] = None
+    """Mixture-of-experts models, when the engine returned it (`SamplingParams.return_routed_experts`):
+    int32 [prompt + response - 1, MoE layers, top-k], the experts of every token the model read."""
+
+    def __post_init__(self) -> None:
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.uid):
+            raise ValueError(f"{len(self.routed_experts)} routings for {len(self.uid)} samples")
 
     def __len__(self) -> int:
         return len(self.uid)
 
     def as_fields(self) -> dict[str, Any]:
-        """The fields as `DynamicSamplingBuffer` stores them (lists, indexed by sample)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields as `DynamicSamplingBuffer` stores them (lists, indexed by sample); no
+        ``routed_experts`` key when the engine returned none."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if values["routed_experts"] is None:
+            del values["routed_experts"]
+        return values
 
     @classmethod
     def from_fields(cls, values: dict[str, Any]) -> "Samples":
-        return cls(**{f.name: list(values[f.name]) for f in fields(cls)})
+        return cls(**{f.name: list(values[f.name]) for f in fields(cls) if f.name in values})
 
     @classmethod
     def concat(cls, parts: Sequence["Samples"]) -> "Samples":
-        return cls(**{f.name: [v for part in parts for v in getattr(part, f.name)] for f in fields(cls)})
+        names = [f.name for f in fields(cls) if f.name != "routed_experts"]
+        merged = cls(**{name: [v for part in parts for v in getattr(part, name)] for name in names})
+        routed = [part.routed_experts is not None for part in parts if len(part)]
+        if routed and all(routed):
+            merged.routed_experts = [v for part in parts for v in (part.routed_experts or [])]
+        elif any(routed):
+            raise ValueError("some generation batches carry routed experts and others not")
+        return merged
 
 
 def generate_and_score(
@@ -112,6 +130,7 @@ def generate_and_score(
         overlong_penalty=rewards.overlong_penalty.tolist(),
         data_source=[ex.data_source for ex in owners],
         reward_error=list(rewards.errors),
+        routed_experts=None if out.routed_experts is None else [torch.as_tensor(r, dtype=torch.int32) for r in out.routed_experts],
     )
 
 
@@ -146,13 +165,14 @@ def gather_samples(local: Optional[Samples], order_key: Optional[int] = None, me
     return Samples.concat([unpack_samples(header, payload) for header, payload in shared])
 
 
-_TENSOR_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs")
+_TENSOR_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "routed_experts")
 
 
 def pack_samples(samples: Samples) -> tuple[dict[str, Any], torch.Tensor]:
     """(header, payload): the small fields as lists, and one flat int32 tensor holding the prompts
-    (each run of responses sharing a prompt sends it once), the responses, then the float32
-    log-probs' bits. `unpack_samples` inverts it exactly (the log-probs bit for bit)."""
+    (each run of responses sharing a prompt sends it once), the responses, the float32 log-probs'
+    bits, then the routed experts when present. `unpack_samples` inverts it exactly (the log-probs
+    bit for bit)."""
     prompt_runs: list[int] = []  # how many consecutive responses share each distinct prompt
     prompts: list[torch.Tensor] = []
     for prompt in samples.prompt_ids:
@@ -175,25 +195,55 @@ def pack_samples(samples: Samples) -> tuple[dict[str, Any], torch.Tensor]:
         log_probs = torch.cat([lp.to(torch.float32) for lp in samples.rollout_log_probs])
     else:
         log_probs = torch.empty(0, dtype=torch.float32)
-    return header, torch.cat([ids, log_probs.view(torch.int32)])
+    parts = [ids, log_probs.view(torch.int32)]
+    header["routing_shape"] = None
+    if samples.routed_experts is not None:
+        header["routing_shape"] = _routing_shape(samples)
+        parts += [r.to(torch.int32).reshape(-1) for r in samples.routed_experts]
+    return header, torch.cat(parts)
+
+
+def _routing_shape(samples: Samples) -> Optional[list[int]]:
+    """[layers, top-k] of the samples' routing, after checking each covers the tokens the model read."""
+    shape = None
+    for prompt, response, routing in zip(samples.prompt_ids, samples.response_ids, samples.routed_experts or []):
+        read = prompt.numel() + response.numel() - 1
+        if routing.dim() != 3 or routing.shape[0] != read or (shape is not None and list(routing.shape[1:]) != shape):
+            raise ValueError(
+                f"routed experts of shape {tuple(routing.shape)} for a sequence the model reads {read} tokens of "
+                f"(want [{read}, layers, top-k], the same layers and top-k for every sample)"
+            )
+        shape = list(routing.shape[1:])
+    return shape
 
 
 def unpack_samples(header: dict[str, Any], payload: torch.Tensor) -> Samples:
     """The `Samples` that `pack_samples` turned into (header, payload); tensors are views of one buffer."""
     prompt_lengths, response_lengths = header["prompt_lengths"], header["response_lengths"]
     num_prompt_tokens, num_response_tokens = sum(prompt_lengths), sum(response_lengths)
-    expected = num_prompt_tokens + 2 * num_response_tokens
+    sample_prompt_lengths = [n for n, run in zip(prompt_lengths, header["prompt_runs"]) for _ in range(run)]
+    routing_shape = header.get("routing_shape")
+    per_token = 0 if routing_shape is None else routing_shape[0] * routing_shape[1]
+    read_lengths = [p + r - 1 for p, r in zip(sample_prompt_lengths, response_lengths)]
+    expected = num_prompt_tokens + 2 * num_response_tokens + per_token * sum(read_lengths)
     if payload.numel() != expected:
         raise ValueError(f"payload has {payload.numel()} values, the header describes {expected}")
     ids = payload[: num_prompt_tokens + num_response_tokens].long()
-    log_probs = payload[num_prompt_tokens + num_response_tokens :].view(torch.float32)
+    log_probs_end = num_prompt_tokens + 2 * num_response_tokens
+    log_probs = payload[num_prompt_tokens + num_response_tokens : log_probs_end].view(torch.float32)
     distinct_prompts = torch.split(ids[:num_prompt_tokens], prompt_lengths)
     prompt_ids = [prompt for prompt, run in zip(distinct_prompts, header["prompt_runs"]) for _ in range(run)]
-    fields = {name: value for name, value in header.items() if name not in ("prompt_runs", "prompt_lengths", "response_lengths")}
+    routed = None
+    if routing_shape is not None:
+        flat = torch.split(payload[log_probs_end:], [per_token * n for n in read_lengths])
+        routed = [part.view(n, *routing_shape) for part, n in zip(flat, read_lengths)]
+    skip = ("prompt_runs", "prompt_lengths", "response_lengths", "routing_shape")
+    fields = {name: value for name, value in header.items() if name not in skip}
     return Samples(
         prompt_ids=prompt_ids,
         response_ids=list(torch.split(ids[num_prompt_tokens:], response_lengths)),
         rollout_log_probs=list(torch.split(log_probs, response_lengths)),
+        routed_experts=routed,
         **fields,
     )
 
@@ -221,4 +271,15 @@ def build_policy_batch(
     )
     if mask_truncated:
         batch.response_mask = overlong_loss_mask(torch.tensor(samples.truncated, dtype=torch.bool), batch.response_valid_mask())
+    if samples.routed_experts is not None:
+        batch.rollout_routed_experts = _routing_tensor(samples.routed_experts, batch.sequence_width)
     return batch
+
+
+def _routing_tensor(routed_experts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """[n, width, layers, top-k] int32 from per-sample routings (positions past each one: -1)."""
+    shape = routed_experts[0].shape[1:] if routed_experts else (0, 0)
+    out = torch.full((len(routed_experts), width, *shape), -1, dtype=torch.int32)
+    for row, routing in enumerate(routed_experts):
+        out[row, : routing.shape[0]] = routing
+    return out

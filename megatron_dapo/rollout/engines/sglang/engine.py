@@ -20,9 +20,13 @@ source (tests/rollout/engines/test_sglang_contract.py). Calls used (0.5.23, `srt
 
 - `sglang.Engine(model_path=, tp_size=, dtype=, mem_fraction_static=, random_seed=,
   enable_memory_saver=, context_length=, log_level=, [base_gpu_id=, gpu_id_step=,] **server_args)`;
-- `Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=bool)` ->
-  one dict per input row, in input order: {"output_ids", "meta_info": {"finish_reason":
-  {"type": "stop" | "length" | "abort", ...}, "output_token_logprobs": [(log_prob, token_id, text), ...]}};
+- `Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=bool,
+  [return_routed_experts=True])` -> one dict per input row, in input order: {"output_ids",
+  "meta_info": {"finish_reason": {"type": "stop" | "length" | "abort", ...}, "output_token_logprobs":
+  [(log_prob, token_id, text), ...], ["routed_experts": base64 of int32 [tokens, layers, top-k]]}}:
+  the routed experts of every token the model read (`routed_experts_start_len` 0: from the first
+  prompt token to the last but one of the sequence), returned by an engine started with
+  `enable_return_routed_experts` (rollout routing replay);
 - `Engine.begin_weight_update(selector="all")`, `end_weight_update()` -> (ok, message): the
   weight-update session every `update_weights_from_*` must run in (`srt/managers/
   scheduler_components/weight_updater.py`); `end_weight_update` runs the post-load step;
@@ -77,6 +81,8 @@ tensors (`hf_tensors_from_sglang_shards`); meant for sync checks, not for every 
 """
 
 from __future__ import annotations
+
+import base64
 
 import json
 import os
@@ -163,15 +169,34 @@ def finish_reason_type(meta_info: dict) -> str:
     return str(reason)
 
 
+def routed_experts_from_meta(meta: dict, read: int, layers: int, topk: int) -> torch.Tensor:
+    """int32 ``[read, layers, top-k]`` from SGLang's ``meta_info["routed_experts"]`` (base64 int32)."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise RuntimeError("SGLang returned no routed experts: start the engine with enable_return_routed_experts")
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    if flat.numel() % (layers * topk) or flat.numel() // (layers * topk) < read:
+        raise RuntimeError(f"SGLang returned {flat.numel()} routed-expert ids for {read} tokens x {layers} layers x top-{topk}")
+    return flat.view(-1, layers, topk)[:read].clone()
+
+
 def collect_sglang_outputs(
-    outputs: Sequence[dict], num_prompts: int, params: SamplingParams
+    outputs: Sequence[dict],
+    num_prompts: int,
+    params: SamplingParams,
+    prompt_lengths: Sequence[int] = (),
+    routing_shape: Optional[tuple[int, int]] = None,
 ) -> GenerationOutput:
-    """Turn SGLang's per-row dicts (row = prompt * n + sample) into a prompt-major output."""
+    """Turn SGLang's per-row dicts (row = prompt * n + sample) into a prompt-major output.
+
+    With `params.return_routed_experts`: `prompt_lengths` (per prompt) and `routing_shape` (MoE
+    layers, top-k) read each row's routed experts."""
     if len(outputs) != num_prompts * params.n:
         raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {num_prompts} prompts x n={params.n}")
     response_ids: list[list[int]] = []
     finish_reasons: list[str] = []
     log_probs: list[torch.Tensor] = []
+    routed: list[torch.Tensor] = []
     for row, output in enumerate(outputs):
         meta = output["meta_info"]
         tokens = [int(token) for token in output["output_ids"]]
@@ -182,12 +207,16 @@ def collect_sglang_outputs(
             if entries is None or [int(entry[1]) for entry in entries] != tokens:
                 raise RuntimeError(f"SGLang output {row}: log-probs do not belong to the sampled tokens")
             log_probs.append(torch.tensor([float(entry[0]) for entry in entries], dtype=torch.float32))
+        if params.return_routed_experts:
+            read = prompt_lengths[row // params.n] + len(tokens) - 1
+            routed.append(routed_experts_from_meta(meta, read, *routing_shape))
     return GenerationOutput(
         prompt_index=[row // params.n for row in range(len(outputs))],
         response_ids=response_ids,
         truncated=torch.tensor([reason == FINISH_LENGTH for reason in finish_reasons], dtype=torch.bool),
         log_probs=log_probs if params.logprobs else None,
         finish_reasons=finish_reasons,
+        routed_experts=routed if params.return_routed_experts else None,
     )
 
 
@@ -214,9 +243,13 @@ class SGLangEngine(RolloutEngine):
         base_gpu_id: Optional[int] = None,
         gpu_id_step: int = 1,
         device: Optional[str] = None,
+        return_routed_experts: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         """Start SGLang on an HF model directory; other keyword arguments go to `sglang.Engine`.
+
+        `return_routed_experts`: start it so that `generate` can return each token's routed experts
+        (mixture-of-experts models; `SamplingParams.return_routed_experts`).
 
         `device`: "cuda" or "cpu"; None = CUDA where available. `enable_memory_saver` None: on with
         CUDA (SGLang's memory saver is CUDA-only). `base_gpu_id` / `gpu_id_step`: the engine's GPUs,
@@ -254,6 +287,15 @@ class SGLangEngine(RolloutEngine):
         if max_model_len is not None:
             engine_kwargs.setdefault("context_length", max_model_len)
         engine_kwargs.setdefault("log_level", "error")
+        self._routing_shape: Optional[tuple[int, int]] = None
+        if return_routed_experts:
+            from megatron_dapo.model.hf_config import read_hf_config
+
+            model = read_hf_config(hf_dir)
+            if not model.is_moe:
+                raise ValueError(f"return_routed_experts needs a mixture-of-experts model; {hf_dir} is dense")
+            self._routing_shape = (model.num_layers, model.num_experts_per_tok)
+            engine_kwargs["enable_return_routed_experts"] = True
         if self._on_cpu:
             engine_kwargs = cpu_engine_kwargs(engine_kwargs)
         self._site_dir = sglang_cpu_compat.make_site_dir() if compat else None
@@ -304,10 +346,15 @@ class SGLangEngine(RolloutEngine):
             sglang_sampling_params(params, None if params.seed is None else params.seed + row)
             for row in range(len(rows))
         ]
-        outputs = engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=params.logprobs)
+        extra = {}
+        if params.return_routed_experts:
+            if self._routing_shape is None:
+                raise ValueError("this SGLang engine was started without return_routed_experts: it cannot return routed experts")
+            extra["return_routed_experts"] = True
+        outputs = engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=params.logprobs, **extra)
         if isinstance(outputs, dict):  # defensive: a single row can come back unwrapped
             outputs = [outputs]
-        return collect_sglang_outputs(outputs, len(prompt_ids), params)
+        return collect_sglang_outputs(outputs, len(prompt_ids), params, [len(p) for p in prompt_ids], self._routing_shape)
 
     # ---- weights ------------------------------------------------------------------------------
 

@@ -153,6 +153,23 @@ def _import_vllm():
     return vllm, TokensPrompt
 
 
+def routed_experts_settings(wanted: bool, on_cpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`vllm.LLM` keyword arguments, environment) for an engine that returns routed experts.
+
+    vLLM captures them with its auxiliary-output connector, which needs the V2 model runner
+    (`VLLM_USE_V2_MODEL_RUNNER=1`) and prefix caching (`VllmConfig._verify_aux_output_compatibility`);
+    the V2 runner needs Triton, so vLLM's CPU build cannot.
+    """
+    if not wanted:
+        return {}, {}
+    if on_cpu:
+        raise ValueError(
+            "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton): on CPU use "
+            "rollout.engine: embedded for actor.router_replay: r3 or rollout.return_routed_experts"
+        )
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
 class VLLMEngine(RolloutEngine):
     """A `vllm.LLM` as the rollout engine (see the module docstring for placements and weights)."""
 
@@ -169,6 +186,7 @@ class VLLMEngine(RolloutEngine):
         weight_bucket_mb: float = DEFAULT_BUCKET_MB,
         placement: str = "leader",
         visible_devices: Optional[str] = None,
+        return_routed_experts: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         """Start vLLM on an HF model directory (config, safetensors weights, tokenizer).
@@ -179,7 +197,9 @@ class VLLMEngine(RolloutEngine):
         "spmd" is a collective: every rank of the torch.distributed world builds its engine at
         once). `visible_devices` (leader placement) is the CUDA_VISIBLE_DEVICES of vLLM's processes:
         the engine's GPUs (`placement.EngineDevices.cuda_visible_devices`); None inherits this
-        process's. Other keyword arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
+        process's. `return_routed_experts`: start vLLM so that it can return each token's routed
+        experts (`routed_experts_settings`; mixture-of-experts models on GPUs). Other keyword
+        arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
         """
         vllm, self._tokens_prompt = _import_vllm()
         require_version("vllm")  # installed version in the tested range, every API we call present
@@ -217,10 +237,14 @@ class VLLMEngine(RolloutEngine):
         self._cleanup = weakref.finalize(self, _remove_dirs, self._temp_dir, self._transfer_dir)
 
         engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        self._returns_routing = return_routed_experts
+        routing_kwargs, routing_environment = routed_experts_settings(return_routed_experts, self._on_cpu)
+        engine_kwargs.update(routing_kwargs)
         # A VLLM_CACHE_ROOT set by the launcher (slurm/common.sh: one node-local directory per node) is
         # kept, so compiled graphs survive restarts and requeues; otherwise a private one per engine.
         cache_root = os.environ.get("VLLM_CACHE_ROOT") or str(self._temp_dir / "cache")
         environment = {"VLLM_CACHE_ROOT": cache_root, "VLLM_RPC_BASE_PATH": str(self._temp_dir)}
+        environment.update(routing_environment)
         if self._on_cpu and "TORCH_COMPILE_DISABLE" not in os.environ:
             environment["TORCH_COMPILE_DISABLE"] = "1"
         if placement == "spmd":
@@ -306,6 +330,8 @@ class VLLMEngine(RolloutEngine):
         """
         from vllm import SamplingParams as VLLMSamplingParams
 
+        if params.return_routed_experts and not self._returns_routing:
+            raise ValueError("this vLLM engine was started without return_routed_experts: it cannot return routed experts")
         llm = self._ready()
         engine_seed = params.seed if not params.seed_per_prompt else None
         if self.placement == "spmd" and params.seed is None:

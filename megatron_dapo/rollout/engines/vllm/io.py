@@ -8,6 +8,12 @@ renormalises over the kept tokens. Greedy decoding (T = 0) reports `log_softmax(
 back flat (`flat_logprobs=True`: vLLM's `FlatLogprobs`, one list of values for the whole response)
 and are read without a Python step per token; the per-position {token_id: Logprob} mappings of
 older vLLM releases are read too.
+
+Routed experts (`SamplingParams.return_routed_experts`, rollout routing replay): an engine started
+with `enable_return_routed_experts` puts `CompletionOutput.routed_experts`, a numpy array
+``[tokens, MoE layers, top-k]`` of every token it forwarded (prompt from
+`routed_experts_prompt_start`, default 0, then the response but its last token), on each finished
+completion. vLLM computes it in its V2 model runner, which its CPU build does not run.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ def collect_outputs(
     response_ids: list[list[int]] = []
     finish_reasons: list[str] = []
     log_probs: list[torch.Tensor] = []
+    routed: list[torch.Tensor] = []
     for index, (request, prompt) in enumerate(zip(request_outputs, prompt_ids)):
         if list(request.prompt_token_ids) != list(prompt):
             raise RuntimeError(f"vLLM output {index} belongs to another prompt (outputs out of order)")
@@ -73,13 +80,31 @@ def collect_outputs(
             finish_reasons.append(str(completion.finish_reason))
             if params.logprobs:
                 log_probs.append(sampled_token_log_probs(tokens, completion.logprobs))
+            if params.return_routed_experts:
+                routed.append(routed_experts_of(completion, len(prompt) + len(tokens) - 1))
     return GenerationOutput(
         prompt_index=prompt_index,
         response_ids=response_ids,
         truncated=torch.tensor([reason == FINISH_LENGTH for reason in finish_reasons], dtype=torch.bool),
         log_probs=log_probs if params.logprobs else None,
         finish_reasons=finish_reasons,
+        routed_experts=routed if params.return_routed_experts else None,
     )
+
+
+def routed_experts_of(completion: Any, read: int) -> torch.Tensor:
+    """int32 ``[read, layers, top-k]``: a completion's routed experts for the ``read`` tokens the
+    model read (prompt + response - 1)."""
+    values = getattr(completion, "routed_experts", None)
+    if values is None:
+        raise RuntimeError(
+            "vLLM returned no routed experts: start the engine with enable_return_routed_experts "
+            "(rollout routing replay needs vLLM's V2 model runner, on GPUs)"
+        )
+    routing = torch.as_tensor(values).to(torch.int32)
+    if routing.dim() != 3 or routing.shape[0] < read:
+        raise RuntimeError(f"vLLM returned routed experts of shape {tuple(routing.shape)} for a sequence of {read} read tokens")
+    return routing[:read]
 
 
 def sampled_token_log_probs(tokens: Sequence[int], position_log_probs: Optional[Sequence[Any]]) -> torch.Tensor:
