@@ -23,7 +23,13 @@ SGLang 0.5.23 runs on CPU with `SGLANG_USE_CPU_ENGINE=1`, but two things stop it
   ImportError when used. transformers decides whether torchvision exists with `find_spec` and
   caches the answer: it is asked first, so it keeps answering "absent".
 
-Neither is installed where the real package is importable (never shadowed), nor on CUDA (the
+* Its routed-experts capturer (rollout routing replay: `enable_return_routed_experts`) allocates its
+  host buffer through `mem_cache/pool_host/common.py`'s `ALLOC_MEMORY_FUNCS`, whose default registers
+  the memory with CUDA (`cudaHostRegister`), which a CPU-only torch cannot do. `install` adds a "cpu"
+  entry there that allocates the same buffer unregistered (nothing on CPU needs pinned memory), as
+  soon as SGLang imports that module (`_AfterImportFinder`).
+
+The first two are not installed where the real package is importable (never shadowed), nor on CUDA (the
 adapter calls `needed(device)`, which is False off the CPU); the finder sits last on
 `sys.meta_path`.
 
@@ -205,9 +211,49 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
 
 
+HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
+
+
+def alloc_host_buffer_cpu(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    """SGLang's host-buffer allocation (`alloc_with_host_register`) without the CUDA registration."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _patch_host_pool(module: types.ModuleType) -> None:
+    functions = getattr(module, "ALLOC_MEMORY_FUNCS", None)
+    if functions is not None:
+        functions["cpu"] = alloc_host_buffer_cpu
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Runs `_patch_host_pool` on SGLang's host-pool module right after it is imported (first on sys.meta_path)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != HOST_POOL_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            execute(module)
+            _patch_host_pool(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def install() -> list[str]:
     """Put the stand-ins in place in this process where the real package is missing; returns what was installed."""
     installed = []
+    if not any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
+        loaded = sys.modules.get(HOST_POOL_MODULE)
+        if loaded is not None:
+            _patch_host_pool(loaded)
+        else:
+            sys.meta_path.insert(0, _AfterImportFinder())
+        installed.append("host_pool_allocator")
     if sys.modules.get(KERNEL_MODULE) is None and not _importable(KERNEL_MODULE):
         sys.modules[KERNEL_MODULE] = _kernel_module()
         installed.append(KERNEL_MODULE)
