@@ -577,9 +577,9 @@ def _coerce(value: Any, annotation, key: str):
     if origin is Literal:
         if value in args and type(value) is type(next(a for a in args if a == value)):
             return value
-        # YAML 1.1 (OmegaConf) reads a bare `on` / `off` as a boolean: where the choices are those
-        # words, `transformer_engine: on` means the word.
-        if isinstance(value, bool) and {"on", "off"} <= set(args):
+        # YAML 1.1 (OmegaConf) reads a bare `on` / `off` as a boolean: where the choices hold that
+        # word, `transformer_engine: on` and `router_replay: off` mean the word.
+        if isinstance(value, bool) and ("on" if value else "off") in args:
             return "on" if value else "off"
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

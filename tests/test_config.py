@@ -75,6 +75,9 @@ def test_bare_on_and_off_are_the_words_where_the_choices_are_words(tmp_path):
     path.write_text("model:\n  transformer_engine: on\n")
     assert load_config(path).model.transformer_engine == "on"
     assert load_config(path, ["model.transformer_engine=off"]).model.transformer_engine == "off"
+    assert load_config(path, ["actor.router_replay=off"]).actor.router_replay == "off"
+    with pytest.raises(ConfigError, match="'actor.router_replay' must be one of 'off', 'r2', 'r3', got True"):
+        load_config(path, ["actor.router_replay=on"])
     assert load_config(None, ["model.transformer_engine=auto"]).model.transformer_engine == "auto"
     with pytest.raises(ConfigError, match="'rollout.engine' must be one of"):  # no on/off among the choices
         load_config(None, ["rollout.engine=true"])
@@ -254,3 +257,30 @@ def test_expert_parallel_rules_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="parallel.ep must divide DP x CP = 2"):
         cfg.resolve_world(2)
     assert cfg.resolve_world(4).parallel.dp == 4 and cfg.parallel.ep == 4
+
+
+def test_router_replay_needs_a_mixture_of_experts_model(tmp_path):
+    from megatron_dapo.config import validate_model_shape
+
+    cfg = Config()
+    cfg.actor.router_replay = "r3"
+    with pytest.raises(ConfigError, match="'actor.router_replay'=r3 replays mixture-of-experts routing, but 'model.hf_dir' holds a dense model \\(qwen2\\)"):
+        validate_model_shape(cfg, {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2})
+    validate_model_shape(cfg, {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "num_hidden_layers": 2, "num_experts": 4})  # fmt: skip
+
+
+def test_which_engines_are_asked_for_routed_experts():
+    from megatron_dapo.config import engine_returns_routing
+
+    cfg = Config()
+    assert engine_returns_routing(cfg, is_moe=True)  # the embedded engine: always on MoE models
+    assert not engine_returns_routing(cfg, is_moe=False)
+    for engine in ("vllm", "sglang"):
+        cfg.rollout.engine = engine
+        assert not engine_returns_routing(cfg, is_moe=True)  # it costs vLLM / SGLang: only when asked
+        cfg.actor.router_replay = "r3"
+        assert engine_returns_routing(cfg, is_moe=True) and not engine_returns_routing(cfg, is_moe=False)
+        cfg.actor.router_replay, cfg.rollout.return_routed_experts = "r2", True
+        assert engine_returns_routing(cfg, is_moe=True)
+        cfg.rollout.return_routed_experts = False
