@@ -350,24 +350,28 @@ def export_megatron_to_hf(
     def owner_stage(index: int) -> int:
         return _owner(*items[index], cfg.num_layers, pp, vpp)[0]
 
+    described: dict[tuple, list] = {}
+
+    def local_meta(index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """`_hf_meta` of the row's local parameter. Remembered per row template and shard shape: the
+        transforms on meta tensors are slow, and every expert (and layer) of a template has the same."""
+        row, param = items[index][0], local_param(index)
+        key = (row.megatron, row.transform, tuple(param.shape), param.dtype)
+        if key not in described:
+            described[key] = _hf_meta(row, param, shape, tp_size_of(row))
+        return described[key]
+
     meta: dict[int, list] = {}
     if pp > 1:
         # Each stage describes the tensors it owns; one exchange tells every stage what to receive.
-        mine = {
-            i: _hf_meta(items[i][0], local_param(i), shape, tp_size_of(items[i][0]))
-            for i in range(len(items))
-            if owner_stage(i) == pp_rank
-        }
+        mine = {i: local_meta(i) for i in range(len(items)) if owner_stage(i) == pp_rank}
         gathered: list = [None] * pp
         dist.all_gather_object(gathered, mine, group=pp_group)
         for part in gathered:
             meta.update(part)
 
     def hf_meta(index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        if index in meta:
-            return meta[index]
-        row = items[index][0]
-        return _hf_meta(row, local_param(index), shape, tp_size_of(row))
+        return meta[index] if index in meta else local_meta(index)
 
     def full_tensors(index: int) -> tuple[torch.Tensor, ...]:
         """The row's HF tensors, on a rank of the stage (and expert-parallel rank) that holds it."""
