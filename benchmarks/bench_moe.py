@@ -30,12 +30,13 @@ Measured:
     routed-expert parameters (by parameter name; a gradient or optimizer tensor by the parameter it
     belongs to; the router is dense), with the distributed optimizer (the config's default; it shards the
     dense state over DP and the expert state over the expert-data-parallel group) and without it;
-(c) the weight-sync export that feeds the rollout engine (`rollout.sync.gather.iter_weight_buckets`,
-    consumed to the end on both ranks; at EP=2 each expert is broadcast from its rank) of the MoE model
-    at EP=1 and at EP=2, and of a dense Qwen3 model whose FFN (`experts x moe-ffn`) gives about the
-    same bytes, alternating, median of `--sync-rounds` with min-max, bytes of full HF tensors per second;
-    and, as a control, the bytes the EP=2 export broadcasts (the experts) moved as one broadcast per
-    EP rank instead of one per expert tensor.
+(c) the weight-sync export that feeds the rollout engine (`rollout.sync.gather.iter_weight_buckets`
+    with its default bucket, consumed to the end on both ranks; at EP=2 each rank's experts of a layer
+    are packed into one buffer and broadcast to the other rank, `model.expert_groups`) of the MoE
+    model at EP=1 and at EP=2, and of a dense Qwen3 model whose FFN (`experts x moe-ffn`) gives about
+    the same bytes, alternating, median of `--sync-rounds` with min-max, bytes of full HF tensors per
+    second; and, as a control (the floor of the EP=2 exchange), the bytes the EP=2 export broadcasts
+    (the experts) moved as one broadcast per EP rank, with no export work around them.
 
 The EP2/EP1 update ratio is given of the medians and, per round, of the adjacent runs (the machine's
 load changes less between two neighbouring runs than over the whole benchmark).

@@ -17,14 +17,19 @@ ep_rank * E/EP ... under their local ids) and splits them over the expert-tensor
 Exporting: the mapping table's order (embedding, layers 0..L-1, final norm, output layer) is walked
 on every rank; the owning pipeline stage all-gathers the TP shards of one parameter, turns them
 into full HF tensors (vocabulary padding removed), and broadcasts them to the other stages, so
-every rank yields the same (hf_name, full tensor) sequence, one parameter at a time. An expert's
-tensors are gathered over the expert-tensor-parallel group on the expert-parallel rank that holds the
-expert and broadcast over the expert-parallel group first. It is a collective: all ranks of the
-model-parallel and expert-parallel groups must consume the iterator to the end.
+every rank yields the same (hf_name, full tensor) sequence, one parameter at a time. Experts are
+the exception where they must travel (EP > 1 or PP > 1): an expert's tensors are gathered over the
+expert-tensor-parallel group on the expert-parallel rank that holds it, and consecutive experts of
+one layer held by one rank are packed into one buffer that a single broadcast over the
+expert-parallel group (and one over the pipeline group) delivers, so a layer of experts costs a few
+collectives, not one per tensor (`expert_groups`: a buffer holds at most half a weight-sync bucket).
+It is a collective: all ranks of the model-parallel and expert-parallel groups must consume the
+iterator to the end.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
@@ -35,6 +40,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.builder import layer_spec_of, unwrap_model
+from megatron_dapo.model.expert_groups import expert_group_limit, plan_expert_groups
 from megatron_dapo.model.hf_config import HFModelConfig, read_hf_config
 from megatron_dapo.model.hf_weights import HFWeightReader
 from megatron_dapo.model.mapping import (
@@ -49,6 +55,7 @@ from megatron_dapo.model.mapping import (
     global_layer_index,
     layer_location,
 )
+from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes
 
 __all__ = ["export_megatron_to_hf", "load_hf_into_megatron", "rank_slices", "read_rank_shard"]
 
@@ -278,11 +285,38 @@ def _hf_meta(row: Map, param: torch.Tensor, shape: ModelShape, tp: int) -> list[
     return [(tuple(t.shape), t.dtype) for t in row.to_hf(fake, shape)]
 
 
+def _one_dtype(row: Map, meta: list[tuple[tuple[int, ...], torch.dtype]]) -> torch.dtype:
+    """The dtype of all HF tensors of a row (they come from one parameter), for a packed buffer."""
+    dtypes = {dtype for _, dtype in meta}
+    if len(dtypes) != 1:
+        raise ValueError(f"{row.megatron}: HF tensors of several dtypes {sorted(map(str, dtypes))} cannot share a buffer")
+    return dtypes.pop()
+
+
+def _expert_runs(items: Sequence[tuple[Map, Optional[int]]]) -> dict[int, int]:
+    """{first index: end index} of each maximal run of per-expert rows of one layer in `items`."""
+    runs: dict[int, int] = {}
+    index = 0
+    while index < len(items):
+        end = index
+        while end < len(items) and items[end][0].per_expert and items[end][1] == items[index][1]:
+            end += 1
+        if end > index:
+            runs[index] = end
+        index = max(end, index + 1)
+    return runs
+
+
 @torch.no_grad()
 def export_megatron_to_hf(
-    models: Sequence[torch.nn.Module], hf_config: HFModelConfig
+    models: Sequence[torch.nn.Module], hf_config: HFModelConfig, bucket_bytes: Optional[int] = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the whole model on every rank, in HF order (see module doc)."""
+    """Yield (HF name, full tensor) for the whole model on every rank, in HF order (see module doc).
+
+    `bucket_bytes`: the bucket size the consumer cuts the stream into (default: the weight sync's,
+    `DEFAULT_BUCKET_MB`); experts moved between ranks travel in buffers of at most half of it
+    (`expert_groups`), so the export holds at most one bucket beyond the consumer's.
+    """
     models = [unwrap_model(m) for m in models]
     cfg = hf_config
     table = mapping_for(cfg)
@@ -299,6 +333,8 @@ def export_megatron_to_hf(
     specs = [layer_spec_of(m) for m in models]
     params = [dict(m.named_parameters()) for m in models]
     items = list(table.ordered(cfg.num_layers))
+    group_limit = expert_group_limit(bucket_limit_bytes(DEFAULT_BUCKET_MB) if bucket_bytes is None else bucket_bytes)
+    any_device = next(iter(params[0].values())).device
 
     def local_param(index: int) -> torch.Tensor:
         """The row's parameter on this rank; for an expert held by another EP rank, the local expert
@@ -311,41 +347,92 @@ def export_megatron_to_hf(
     def tp_size_of(row: Map) -> int:
         return ranks.tensor_parallel(row)[1]
 
+    def owner_stage(index: int) -> int:
+        return _owner(*items[index], cfg.num_layers, pp, vpp)[0]
+
+    described: dict[tuple, list] = {}
+
+    def local_meta(index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """`_hf_meta` of the row's local parameter. Remembered per row template and shard shape: the
+        transforms on meta tensors are slow, and every expert (and layer) of a template has the same."""
+        row, param = items[index][0], local_param(index)
+        key = (row.megatron, row.transform, tuple(param.shape), param.dtype)
+        if key not in described:
+            described[key] = _hf_meta(row, param, shape, tp_size_of(row))
+        return described[key]
+
     meta: dict[int, list] = {}
     if pp > 1:
         # Each stage describes the tensors it owns; one exchange tells every stage what to receive.
-        mine = {
-            i: _hf_meta(items[i][0], local_param(i), shape, tp_size_of(items[i][0]))
-            for i in range(len(items))
-            if _owner(*items[i], cfg.num_layers, pp, vpp)[0] == pp_rank
-        }
+        mine = {i: local_meta(i) for i in range(len(items)) if owner_stage(i) == pp_rank}
         gathered: list = [None] * pp
         dist.all_gather_object(gathered, mine, group=pp_group)
         for part in gathered:
             meta.update(part)
 
-    for index, (row, layer) in enumerate(items):
-        owner_stage = _owner(row, layer, cfg.num_layers, pp, vpp)[0]
-        owner_ep = _local_expert(row, table, ranks)[0]
-        names = row.hf_names(layer)
-        if owner_stage == pp_rank:
-            param = local_param(index)
-            device = param.device
-            if owner_ep == ranks.ep_rank:
-                group = expert_tp_group if row.per_expert else tp_group
-                tensors = row.to_hf(_gather_tp(param, row, tp_size_of(row), group), shape)
-            else:
-                tensors = tuple(torch.empty(s, dtype=d, device=device) for s, d in _hf_meta(row, param, shape, tp_size_of(row)))
-            if row.per_expert and ep_group is not None:
-                tensors = tuple(t.contiguous() for t in tensors)
-                for t in tensors:
-                    dist.broadcast(t, src=ep_ranks[owner_ep], group=ep_group)
+    def hf_meta(index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return meta[index] if index in meta else local_meta(index)
+
+    def full_tensors(index: int) -> tuple[torch.Tensor, ...]:
+        """The row's HF tensors, on a rank of the stage (and expert-parallel rank) that holds it."""
+        row = items[index][0]
+        group = expert_tp_group if row.per_expert else tp_group
+        return row.to_hf(_gather_tp(local_param(index), row, tp_size_of(row), group), shape)
+
+    def exchange_experts(start: int, end: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Items [start, end), per-expert rows of one layer, moved to every rank a buffer at a time.
+
+        Each buffer packs consecutive experts of one expert-parallel rank (`plan_expert_groups`):
+        the holder fills it with the experts' full HF tensors (gathered over expert-TP), one
+        broadcast over the EP group and one over the pipeline group deliver it, and every rank
+        yields views of it, so a layer costs a few collectives instead of one per tensor.
+        """
+        layer = items[start][1]
+        stage = owner_stage(start)
+        metas = [hf_meta(i) for i in range(start, end)]
+        holders = [_local_expert(items[i][0], table, ranks)[0] for i in range(start, end)]
+        dtypes = [_one_dtype(items[i][0], m) for i, m in zip(range(start, end), metas)]
+        sizes = [sum(math.prod(s) * d.itemsize for s, d in m) for m in metas]
+        for group in plan_expert_groups(list(zip(holders, dtypes)), sizes, group_limit):
+            holder, dtype = holders[group.start], dtypes[group.start]
+            numels = [math.prod(s) for i in group for s, _ in metas[i]]
+            buffer = torch.empty(sum(numels), dtype=dtype, device=any_device)
+            if stage == pp_rank and holder == ranks.ep_rank:
+                offset = 0
+                for i in group:
+                    for tensor in full_tensors(start + i):
+                        buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+                        offset += tensor.numel()
+            if stage == pp_rank and ep_group is not None:
+                dist.broadcast(buffer, src=ep_ranks[holder], group=ep_group)
+            if pp > 1:
+                dist.broadcast(buffer, src=pp_ranks[stage], group=pp_group)
+            offset = 0
+            for i in group:
+                row = items[start + i][0]
+                for name, (tensor_shape, _) in zip(row.hf_names(layer), metas[i]):
+                    count = math.prod(tensor_shape)
+                    yield name, buffer[offset : offset + count].view(tensor_shape)
+                    offset += count
+
+    # Experts travel in packed buffers when they must travel (EP > 1 or PP > 1); everything else
+    # one parameter at a time.
+    expert_runs = _expert_runs(items) if ep_group is not None or pp > 1 else {}
+    index = 0
+    while index < len(items):
+        if index in expert_runs:
+            yield from exchange_experts(index, expert_runs[index])
+            index = expert_runs[index]
+            continue
+        row, layer = items[index]
+        stage = owner_stage(index)
+        if stage == pp_rank:
+            tensors = full_tensors(index)
         else:
-            device = next(iter(params[0].values())).device
-            tensors = tuple(torch.empty(s, dtype=d, device=device) for s, d in meta[index])
+            tensors = tuple(torch.empty(s, dtype=d, device=any_device) for s, d in meta[index])
         if pp > 1:
             tensors = tuple(t.contiguous() for t in tensors)
             for t in tensors:
-                dist.broadcast(t, src=pp_ranks[owner_stage], group=pp_group)
-        for name, tensor in zip(names, tensors):
-            yield name, tensor
+                dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
+        yield from zip(row.hf_names(layer), tensors)
+        index += 1

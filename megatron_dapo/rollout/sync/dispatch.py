@@ -162,7 +162,7 @@ def sync_weights(
         stream = shards.iter_engine_shards(models, hf_config)
         bucket_size = shards.full_nbytes  # identical on every TP rank (see iter_weight_shard_buckets)
     else:
-        stream = gather.iter_full_tensors(models, hf_config)
+        stream = gather.iter_full_tensors(models, hf_config, bucket_mb)
         bucket_size = tensor_item_nbytes
 
     start = time.perf_counter()

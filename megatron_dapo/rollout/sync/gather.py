@@ -33,13 +33,17 @@ __all__ = ["WeightBucket", "iter_full_tensors", "iter_weight_buckets"]
 WeightBucket = list[tuple[str, torch.Tensor]]
 
 
-def iter_full_tensors(models: Sequence[torch.nn.Module], hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(
+    models: Sequence[torch.nn.Module], hf_config, bucket_mb: float = DEFAULT_BUCKET_MB
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of the whole model, one at a time, on every rank, in HF order.
 
+    `bucket_mb`: the buckets the stream is cut into; experts moved between ranks travel packed in
+    buffers of at most half of one (`model.expert_groups`).
     Looked up on `model.load` at each call, so that a memory ledger pausing the export
     (`storage_ledger.weight_path_ledger`) sees this stream too.
     """
-    return load.export_megatron_to_hf(models, hf_config)
+    return load.export_megatron_to_hf(models, hf_config, bucket_limit_bytes(bucket_mb))
 
 
 def iter_weight_buckets(
@@ -52,4 +56,4 @@ def iter_weight_buckets(
     `HFModelConfig` they were built from. The tensors may alias the actor's parameters (replicated
     ones at TP=1): copy what you keep beyond the current bucket.
     """
-    return bucket_stream(iter_full_tensors(models, hf_config), bucket_limit_bytes(bucket_mb))
+    return bucket_stream(iter_full_tensors(models, hf_config, bucket_mb), bucket_limit_bytes(bucket_mb))

@@ -11,19 +11,28 @@ them allocates: bucket copies, full-shape buffers, staging. Pushes:
    and mode shared_memory (each TP rank writes its slices into the file).
 
 After every push the engine's weights must equal the actor's HF export bit for bit (the path that
-allocates nothing must still deliver). Results (JSON) come back through `write_rank_result`.
+allocates nothing must still deliver).
+
+Then, in the same launch, the export itself at EP=2 (`_moe_export`): a Qwen3-MoE whose experts per
+rank and layer are several buckets large, exported through `gather.iter_weight_buckets` with a small
+bucket under a ledger that pauses nothing, each bucket dropped once read. The experts cross the EP
+group packed (`model.expert_groups`); what the export and the bucket hold together is measured, the
+broadcasts are counted, and every tensor is compared with the saved checkpoint in the table's order.
+Results (JSON) come back through `write_rank_result`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from torchrun_utils import reporting
 
 BUCKET_MB = 0.05
+MOE_BUCKET_MB = 192 / 1024  # two experts' tensors of the MoE test model (48 KiB each): buffers of one bucket's half
 
 
 def _engine_kwargs() -> dict:
@@ -51,7 +60,65 @@ def _measured(push) -> tuple[dict, object]:
     return ledger.summary(), stats
 
 
-def main(model_dir: str) -> None:
+def _moe_export(moe_dir: str) -> dict:
+    """The EP=2 export of the MoE at `moe_dir` through buckets of MOE_BUCKET_MB (see the module doc)."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.distributed import init_distributed, teardown
+    from megatron_dapo.model.arch_tables import mapping_for
+    from megatron_dapo.model.builder import build_gpt_models
+    from megatron_dapo.model.hf_config import read_hf_config
+    from megatron_dapo.model.load import load_hf_into_megatron
+    from megatron_dapo.rollout.sync.gather import iter_weight_buckets
+    from megatron_dapo.rollout.sync.storage_ledger import StorageLedger
+
+    teardown(keep_process_group=True)
+    ctx = init_distributed(ParallelConfig(tp=1, pp=1, ep=2), timeout_s=300, seed=3)
+    cfg = read_hf_config(moe_dir)
+    models = build_gpt_models(cfg, ctx.layout, torch.float32, transformer_engine="off", init_weights=False,
+                              moe_token_dispatcher="alltoall")  # fmt: skip
+    load_hf_into_megatron(models, moe_dir, cfg)
+    saved = {}
+    for file in sorted(Path(moe_dir).glob("*.safetensors")):
+        saved.update(load_file(str(file)))
+
+    broadcast, broadcasts = dist.broadcast, []
+
+    def counted_broadcast(tensor, *args, **kwargs):  # the real broadcast, counted
+        broadcasts.append(tensor.numel() * tensor.element_size())
+        return broadcast(tensor, *args, **kwargs)
+
+    names, differ = [], []
+    dist.broadcast = counted_broadcast
+    try:
+        with StorageLedger() as ledger:
+            for bucket in iter_weight_buckets(models, cfg, bucket_mb=MOE_BUCKET_MB):
+                with ledger.paused():
+                    for name, tensor in bucket:
+                        names.append(name)
+                        if name not in saved or not torch.equal(tensor, saved[name]):
+                            differ.append(name)
+                del bucket, name, tensor  # read: the consumer lets it go before the next one is filled
+    finally:
+        dist.broadcast = broadcast
+    per_expert_tensors = [n for n in names if ".mlp.experts." in n]
+    return {
+        **ledger.summary(),
+        "bucket_bytes": int(MOE_BUCKET_MB * 2**20),
+        "largest_tensor_bytes": max(t.numel() * t.element_size() for t in saved.values()),
+        "rank_layer_expert_bytes": sum(saved[n].nbytes for n in per_expert_tensors if ".layers.0." in n) // 2,
+        "num_layers": cfg.num_layers,
+        "expert_tensors": len(per_expert_tensors),
+        "broadcasts": len(broadcasts),
+        "largest_broadcast_bytes": max(broadcasts, default=0),
+        "in_table_order": names == mapping_for(cfg).hf_names(cfg.num_layers),
+        "differ": differ,
+    }
+
+
+def main(model_dir: str, moe_dir: str) -> None:
     import torch.distributed as dist
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed
@@ -113,6 +180,7 @@ def main(model_dir: str) -> None:
             if leader is not None:
                 leader.shutdown()
         dist.barrier()
+        out["moe_export"] = _moe_export(moe_dir)
 
 
 if __name__ == "__main__":

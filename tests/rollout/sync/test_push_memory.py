@@ -12,6 +12,10 @@ byte of the spmd path was a copy through pageable host memory (`iter_buckets(dev
 tp_shards first expanded each slice into a full-shape buffer: the whole model per rank per sync.
 Now the bytes are bounded by one bucket (tp_shards: only the vocabulary rows an engine rank needs
 from its neighbour), and every push still leaves the engine equal to the export bit for bit.
+
+In the same launch, the export itself at EP=2 (a Qwen3-MoE whose experts per rank and layer are two
+buckets large): it moves a rank's experts in packed buffers, a few broadcasts per layer instead of
+one per expert tensor, and holds at most one bucket beyond the bucket being filled.
 """
 
 from __future__ import annotations
@@ -100,14 +104,29 @@ def _save_model(out_dir: Path) -> Path:
     return out_dir
 
 
+def _save_moe_model(out_dir: Path) -> Path:
+    """16 experts of 48 KiB (fc1 32 + fc2 16) per layer: 384 KiB per EP rank and layer, two buckets."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=128,
+        max_position_embeddings=128, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=16,
+        num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True,
+    )  # fmt: skip
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    build_random_model(config, seed=11).save_pretrained(out_dir)
+    return out_dir
+
+
 @pytest.fixture(scope="module")
 def push_results(require_vllm, tmp_path_factory):
     from ci import skip_or_fail
 
     if len(os.sched_getaffinity(0)) < 2:
         skip_or_fail("the push-memory test runs two ranks with one vLLM shard each and needs 2 CPUs")
-    model_dir = _save_model(tmp_path_factory.mktemp("push_memory") / "model")
-    result = run_torchrun_script(WORKER, nproc=2, args=[json.dumps({"model_dir": str(model_dir)})], timeout=840)
+    root = tmp_path_factory.mktemp("push_memory")
+    dirs = {"model_dir": str(_save_model(root / "model")), "moe_dir": str(_save_moe_model(root / "moe"))}
+    result = run_torchrun_script(WORKER, nproc=2, args=[json.dumps(dirs)], timeout=840)
     result.check()
     assert all(r is not None and "error" not in r for r in result.rank_results), result.tail()
     return result.rank_results
@@ -134,6 +153,28 @@ def test_tp_shards_allocates_only_the_exchanged_vocabulary_rows(push_results):
         assert r["exchanged_rows_bytes"] > 0
         assert r["tp_shards"]["allocated_bytes"] <= r["exchanged_rows_bytes"] + 4096, r["tp_shards"]
         assert r["tp_shards"]["num_buckets"] > 40
+
+
+def test_ep2_export_moves_experts_in_few_broadcasts_and_holds_a_bucket_extra(push_results):
+    """At EP=2 each rank's experts of a layer cross in buffers of half a bucket: here 2 buckets of a
+    rank's experts per layer make 4 broadcasts per rank and layer (one per tensor would be 3 per
+    expert), every rank yields the checkpoint's tensors in the table's order, and the export holds at
+    most one bucket beyond the bucket the consumer fills (a rank's experts of a layer in one buffer
+    would be two buckets; all of a layer's, four)."""
+    from megatron_dapo.model.expert_groups import expert_group_limit
+
+    for rank, m in enumerate(r["moe_export"] for r in push_results):
+        bucket = max(m["bucket_bytes"], m["largest_tensor_bytes"])
+        print(f"\n[push memory] rank {rank} EP=2 MoE export: {m['broadcasts']} broadcasts for {m['expert_tensors']} expert "
+              f"tensors, peak {m['peak_live_bytes']} B, allocated {m['allocated_bytes']} B (bucket {bucket} B, a rank's "
+              f"experts of a layer {m['rank_layer_expert_bytes']} B); top {m['top_ops']}")  # fmt: skip
+        assert m["differ"] == [] and m["in_table_order"], m["differ"]
+        assert m["rank_layer_expert_bytes"] >= 2 * bucket  # a layer's experts in one buffer could not pass
+        buffers_per_rank_and_layer = -(-m["rank_layer_expert_bytes"] // expert_group_limit(m["bucket_bytes"]))
+        assert m["broadcasts"] == m["num_layers"] * 2 * buffers_per_rank_and_layer == 16, m
+        assert m["expert_tensors"] == m["num_layers"] * 16 * 3
+        assert m["largest_broadcast_bytes"] <= expert_group_limit(m["bucket_bytes"])
+        assert m["peak_live_bytes"] <= 2 * bucket, m
 
 
 def test_placed_slice_serves_the_loaders_narrow_and_refuses_anything_else():
