@@ -6,11 +6,9 @@ works while the other waits, so a second run fills the idle core. The vLLM runs 
 (`vllm_runs`). One uninterrupted five-step run is the reference of the resume and (its step 1) of the
 two-process layouts; one one-step run serves the validation and the overlong-filter checks.
 
-* resume: a run stopped by SIGTERM in step 4 writes a checkpoint (of step 3) and exits 143;
-  `--resume` continues it, and steps 4-5 equal those of an uninterrupted run (every logged value
-  that is not a wall-clock time). The reward function sends the SIGTERM at a call fixed by the
-  data (`preempt_reward.py`, parity_reward's scores), not after a wall-clock wait: a poll of the
-  metrics file lands a step late or more when the runs beside it slow the machine;
+* resume: a run stopped by SIGTERM after step 3 writes a checkpoint and exits 143; `--resume`
+  continues it, and steps 4-5 equal those of an uninterrupted run (every logged value that is not a
+  wall-clock time);
 * TP=2, PP=2 and CP=2 over two gloo processes: step 1 equals the single-process run (same responses,
   same rewards; losses within float32 reduction-order noise);
 * clear errors (exit code 2, the key to change) for bad input.
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, workspace_overrides
+from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, stop_after_step, workspace_overrides
 from torchrun_utils import two_at_a_time
 
 TOTAL = ["trainer.total_steps=5"]
@@ -68,8 +66,14 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=REPO, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _run_stopped_after_step_3(command: list[str], output_dir: Path) -> subprocess.CompletedProcess:
+    """The run, sent SIGTERM (SLURM preemption) once its metrics hold step 3; stdout and stderr together."""
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return stop_after_step(proc, output_dir, 3, timeout=600)
 
 
 LAYOUTS = {"tp2": "parallel.tp=2", "pp2": "parallel.pp=2", "cp2": "parallel.cp=2"}  # run name: override
@@ -84,27 +88,19 @@ def _two_at_a_time(runs: dict, root: Path) -> dict[str, tuple[Path, object]]:
     return {name: (root / name, result) for name, result in two_at_a_time(runs).items()}
 
 
-PREEMPT_REWARD = Path(__file__).with_name("preempt_reward.py")
-CALLS_PER_GEN_BATCH = 8 * 4  # FAST: trainer.gen_batch_size x rollout.n, scored one call each
-
-
-def _straight_then_stopped_and_resumed(straight: list[str], stopped: list[str], root: Path) -> tuple:
-    """The uninterrupted run; then the same run with SIGTERM half-way through scoring step 4's first
-    generation batch, and its `--resume`: (straight, stopped, resumed), None for what did not run."""
-    first = _run(straight)
-    if first.returncode != 0:
-        return first, None, None
-    batches = sum(int(read_metrics(root / "straight")[step]["train/num_gen_batches"]) for step in (1, 2, 3))
-    sigterm_at = CALLS_PER_GEN_BATCH * batches + CALLS_PER_GEN_BATCH // 2 + 1
-    calls = {"MDAPO_TEST_REWARD_CALLS": str(root / "stopped_calls")}
-    proc = _run(stopped, env={**calls, "MDAPO_TEST_SIGTERM_AT_CALL": str(sigterm_at)})
-    return first, proc, _run([*stopped, "--resume"], env=calls)
+def _stop_then_resume(command: list[str], output_dir: Path) -> tuple:
+    """The run stopped after step 3, the checkpoint it left (`latest`, read before the resume moves
+    it), then the same command with `--resume`: (stopped, latest, resumed)."""
+    stopped = _run_stopped_after_step_3(command, output_dir)
+    latest = output_dir / "checkpoints" / "latest"
+    left = latest.read_text().strip() if latest.exists() else None
+    return stopped, left, _run([*command, "--resume"])
 
 
 @pytest.fixture(scope="module")
 def module_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """Every run of the module with the embedded engine, two at a time, longest first:
-    name -> (output dir, process; for "stopped" the pair (stopped, resumed))."""
+    name -> (output dir, process; for "stopped": (process, its latest checkpoint, the resumed process))."""
     root = tmp_path_factory.mktemp("runs")
     bad_data = root / "bad.jsonl"
     bad_data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "x"}) + "\n")
@@ -113,10 +109,9 @@ def module_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, objec
         return workspace_overrides(demo_workspace, root / name)
 
     runs = {
-        # Uninterrupted, then the same run stopped and resumed; no periodic checkpoints (FAST: trainer.save_every=0).
-        "resume": lambda: _straight_then_stopped_and_resumed(
-            _one_process(*TOTAL, *out("straight")),
-            _one_process(*TOTAL, *out("stopped"), f"reward.custom_function.path={PREEMPT_REWARD}:compute_score"), root),
+        # The same run stopped and resumed, and uninterrupted; no periodic checkpoints (FAST: trainer.save_every=0).
+        "stopped": lambda: _stop_then_resume(_one_process(*TOTAL, *out("stopped")), root / "stopped"),
+        "straight": lambda: _run(_one_process(*TOTAL, *out("straight"))),
         # Two processes, one step each (the layouts) or two (DP=2).
         **{name: (lambda name=name, layout=layout: _two_process("trainer.total_steps=1", layout, *out(name))) for name, layout in LAYOUTS.items()},
         "dp2": lambda: _two_process("trainer.total_steps=2", *out("dp2")),
@@ -129,9 +124,7 @@ def module_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, objec
         "no_ground_truth": lambda: _run(_one_process(*out("no_ground_truth"), f"data.train_files=[{bad_data}]")),
         **{case: (lambda overrides=overrides, case=case: _run(_one_process(*out(case), *overrides))) for case, (overrides, _) in BAD_INPUT.items()},
     }
-    done = _two_at_a_time(runs, root)
-    straight, stopped, resumed = done.pop("resume")[1]
-    return {**done, "straight": (root / "straight", straight), "stopped": (root / "stopped", (stopped, resumed))}
+    return _two_at_a_time(runs, root)
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +148,11 @@ def test_an_uninterrupted_run_logs_every_step_and_plots(straight_run):
 
 def test_sigterm_checkpoint_then_resume_equals_uninterrupted(module_runs, straight_run):
     reference = read_metrics(straight_run)
-    stopped, (proc, resume) = module_runs["stopped"]
-    assert proc.returncode == 143, proc.stdout[-4000:] + proc.stderr[-4000:]
-    latest = (stopped / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step_00000003", latest  # the signal lands in step 4, before its update
+    stopped, (proc, latest, resume) = module_runs["stopped"]
+    assert proc.returncode == 143, proc.stdout[-4000:]
+    assert latest is not None, "the stopped run left no checkpoints/latest"
+    stopped_at = int(latest.split("_")[-1])
+    assert stopped_at in (3, 4), latest  # the signal lands during step 3's logging or step 4
     assert "continue with --resume" in proc.stdout
 
     _assert_ok(resume)
