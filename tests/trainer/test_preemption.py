@@ -20,11 +20,9 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.trainer.conftest import CONFIG, FAST, assert_ok, cli, deterministic, read_metrics, workspace_overrides
-from torchrun_utils import two_at_a_time
 
 REWARD = Path(__file__).with_name("preempt_reward.py")
 GEN_BATCH, N = 8, 2
@@ -73,22 +71,10 @@ def _differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
-@pytest.fixture(scope="module")
-def first_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """The uninterrupted run and the run stopped during start-up, at once (the second is mostly
-    imports on the other core): name -> (output directory, process)."""
-    root = tmp_path_factory.mktemp("preemption")
-    runs = {
-        "straight": lambda: _train(root / "straight", demo_workspace, env={"MDAPO_TEST_REWARD_CALLS": str(root / "straight_calls")}),
-        "start_up": lambda: _train(root / "start_up", demo_workspace, env={"MDAPO_TEST_SIGTERM_ON_LOAD": "1"}),
-    }
-    return {name: (root / name, proc) for name, proc in two_at_a_time(runs).items()}
-
-
-def test_sigterm_during_generation_redoes_the_step_on_resume(first_runs, demo_workspace, tmp_path):
-    straight, proc = first_runs["straight"]
-    straight_calls = straight.parent / "straight_calls"
-    assert_ok(proc)
+def test_sigterm_during_generation_redoes_the_step_on_resume(demo_workspace, tmp_path):
+    straight = tmp_path / "straight"
+    straight_calls = tmp_path / "straight_calls"
+    assert_ok(_train(straight, demo_workspace, env={"MDAPO_TEST_REWARD_CALLS": str(straight_calls)}))
     reference = read_metrics(straight)
     assert sorted(reference) == [1, 2, 3]
     batches = {step: int(reference[step]["train/num_gen_batches"]) for step in reference}
@@ -121,8 +107,9 @@ def test_sigterm_during_generation_redoes_the_step_on_resume(first_runs, demo_wo
     assert not problems, "final weights / optimizer state differ:\n" + "\n".join(problems[:20])
 
 
-def test_sigterm_during_start_up_exits_143_with_one_line(first_runs):
-    out, proc = first_runs["start_up"]
+def test_sigterm_during_start_up_exits_143_with_one_line(demo_workspace, tmp_path):
+    out = tmp_path / "run"
+    proc = _train(out, demo_workspace, env={"MDAPO_TEST_SIGTERM_ON_LOAD": "1"})
     assert_ok(proc, 143)
     text = proc.stdout + proc.stderr
     assert "Traceback" not in text, text[-4000:]
