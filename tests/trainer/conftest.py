@@ -59,8 +59,13 @@ def cli(*args: str, nproc: int = 1) -> list[str]:
             "--master_port", str(find_free_port()), "-m", "megatron_dapo.cli", *args]  # fmt: skip
 
 
-def run_cli(*args: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
+def run_cli(*args: str, nproc: int = 1, timeout: float = 300, threads: int | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess. `threads`: OpenMP threads per process (default: 1 for several
+    processes, else the caller's or 2); give 1 to runs that start two at a time, and the same count
+    to runs whose values are compared exactly."""
+    if threads is None:
+        threads = 1 if nproc > 1 else int(os.environ.get("OMP_NUM_THREADS", "2"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

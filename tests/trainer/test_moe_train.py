@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from megatron_dapo.checkpoint import step_dir_name
 from tests.trainer.conftest import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
+from torchrun_utils import two_at_a_time
 
 STEPS = ["trainer.total_steps=2", "trainer.save_every=1", "moe.z_loss_coeff=0.001"]
 
@@ -36,12 +37,35 @@ def moe_workspace(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def runs(moe_workspace, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe-runs")
-    out = {}
-    for ep in (1, 2):
-        out[f"ep{ep}"] = root / f"ep{ep}"
-        assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *STEPS, f"parallel.ep={ep}",
-                          *workspace_overrides(moe_workspace, out[f"ep{ep}"]), nproc=2, timeout=600))  # fmt: skip
+    out = {f"ep{ep}": root / f"ep{ep}" for ep in (1, 2)}
+    procs = two_at_a_time({
+        name: (lambda ep=ep, name=name: run_cli("train", "--config", str(CONFIG), *FAST, *STEPS, f"parallel.ep={ep}",
+                                                *workspace_overrides(moe_workspace, out[name]), nproc=2, timeout=600))
+        for ep, name in ((1, "ep1"), (2, "ep2"))
+    })  # fmt: skip
+    for proc in procs.values():
+        assert_ok(proc)
     return out
+
+
+@pytest.fixture(scope="module")
+def from_the_checkpoints(runs, moe_workspace, tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """The EP=2 resume from step 1 and the conversion of each run's last checkpoint, two at a time:
+    name -> (output directory, process)."""
+    root = tmp_path_factory.mktemp("moe-from-checkpoints")
+    resumed = root / "resumed"
+    shutil.copytree(runs["ep2"], resumed)
+    shutil.rmtree(resumed / "checkpoints" / step_dir_name(2))
+    (resumed / "checkpoints" / "latest").write_text(step_dir_name(1) + "\n")
+    jobs = {
+        "resumed": lambda: run_cli("train", "--config", str(CONFIG), *FAST, *STEPS, "parallel.ep=2", "--resume",
+                                   *workspace_overrides(moe_workspace, resumed), nproc=2, timeout=600),
+        **{f"converted_{name}": (lambda name=name: run_cli("convert", "megatron-to-hf", "--megatron-dir", str(runs[name] / "checkpoints"),
+                                                            "--output", str(root / name), "--no-progress", threads=1))
+           for name in ("ep1", "ep2")},
+    }  # fmt: skip
+    procs = two_at_a_time(jobs)
+    return {"resumed": (resumed, procs["resumed"]), **{f"converted_{n}": (root / n, procs[f"converted_{n}"]) for n in ("ep1", "ep2")}}
 
 
 def _close(a: dict, b: dict, rel: float = 1e-4, abs_: float = 1e-6) -> list[str]:
@@ -64,23 +88,18 @@ def test_expert_parallel_training_equals_ep1(runs):
     assert layout["ep"] == 2 and layout["dp"] == 2
 
 
-def test_ep2_checkpoint_resumes_at_ep2(runs, moe_workspace, tmp_path):
-    resumed = tmp_path / "resumed"
-    shutil.copytree(runs["ep2"], resumed)
-    shutil.rmtree(resumed / "checkpoints" / step_dir_name(2))
-    (resumed / "checkpoints" / "latest").write_text(step_dir_name(1) + "\n")
-    assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *STEPS, "parallel.ep=2", "--resume",
-                      *workspace_overrides(moe_workspace, resumed), nproc=2, timeout=600))  # fmt: skip
+def test_ep2_checkpoint_resumes_at_ep2(runs, from_the_checkpoints):
+    resumed, proc = from_the_checkpoints["resumed"]
+    assert_ok(proc)
     before, after = read_metrics(runs["ep2"]), read_metrics(resumed)
     assert sorted(after) == [1, 2]
     assert deterministic(after[2]) == deterministic(before[2])
 
 
-def test_ep2_checkpoint_converts_to_the_ep1_weights(runs, tmp_path):
+def test_ep2_checkpoint_converts_to_the_ep1_weights(from_the_checkpoints):
     exported = {}
     for name in ("ep1", "ep2"):
-        out = tmp_path / name
-        proc = run_cli("convert", "megatron-to-hf", "--megatron-dir", str(runs[name] / "checkpoints"), "--output", str(out), "--no-progress")
+        out, proc = from_the_checkpoints[f"converted_{name}"]
         assert_ok(proc)
         exported[name] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert sorted(exported["ep1"]) == sorted(exported["ep2"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 
 from megatron_dapo.trainer.output_dir import OutputDirectoryError, check_output_dir, clear_previous_run
 from tests.trainer.conftest import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
+from torchrun_utils import two_at_a_time
 
 
 # ------------------------------------------------------------------ the rules, without a run
@@ -65,7 +67,9 @@ def test_clear_previous_run_removes_only_what_a_run_writes(tmp_path):
 
 
 def _train(workspace: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(workspace, out), *extra)
+    # One thread: the runs on the previous run start two at a time, and the resumed step is compared
+    # exactly with the previous run's.
+    return run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(workspace, out), *extra, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -89,26 +93,58 @@ def test_periodic_checkpoints_are_dp_reshardable_and_the_last_one_fully(previous
     assert formats == {"step_00000001": "dp_reshardable", "step_00000002": "dp_reshardable", "step_00000003": "fully_reshardable"}
 
 
-def test_a_fresh_run_into_a_previous_run_is_refused(demo_workspace, previous_run):
-    before = _listing(previous_run)
-    proc = _train(demo_workspace, previous_run, "trainer.total_steps=1")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert "is not empty" in proc.stderr and "--resume" in proc.stderr and "--overwrite" in proc.stderr
-    assert _listing(previous_run) == before  # nothing of the old run touched
-
-
-def test_resume_skips_a_corrupt_checkpoint_and_equals_the_uninterrupted_run(demo_workspace, previous_run, tmp_path):
-    import shutil
-
-    run = tmp_path / "run"
+def _copy_of(previous_run: Path, root: Path, name: str) -> Path:
+    run = root / name
     shutil.copytree(previous_run, run)
-    reference = read_metrics(previous_run)
-    victim = max((run / "checkpoints" / "step_00000003" / "dist").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs_on_the_previous_run(demo_workspace, previous_run, tmp_path_factory) -> dict[str, tuple]:
+    """Every run that starts from the previous run, two at a time (a run is mostly start-up on one
+    core, so a second one uses the other): name -> (output directory, process, what the test needs).
+    Each run but the refused one works on its own copy of the previous run."""
+    root = tmp_path_factory.mktemp("on_previous")
+    listing_before = _listing(previous_run)
+
+    corrupt = _copy_of(previous_run, root, "corrupt")
+    victim = max((corrupt / "checkpoints" / "step_00000003" / "dist").glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(victim, "r+b") as handle:  # 4 KiB of garbage inside: same size, wrong content
         handle.seek(victim.stat().st_size // 2)
         handle.write(random.Random(0).randbytes(4096))
-    proc = _train(demo_workspace, run, "trainer.total_steps=3", "trainer.save_every=1", "trainer.keep_last=3", "--resume")
+
+    overwrite = _copy_of(previous_run, root, "overwrite")
+    assert list((overwrite / "tensorboard").iterdir())
+    (overwrite / "notes.txt").write_text("mine")
+
+    other_layout = _copy_of(previous_run, root, "other_layout")
+    shutil.rmtree(other_layout / "checkpoints" / "step_00000003")  # the final, fully reshardable one
+
+    runs = {
+        # The two-process run first: the longest.
+        "other_layout": (other_layout, lambda: run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, other_layout),
+                                                       "trainer.total_steps=3", "parallel.tp=2", "--resume", nproc=2)),  # fmt: skip
+        "corrupt": (corrupt, lambda: _train(demo_workspace, corrupt, "trainer.total_steps=3", "trainer.save_every=1", "trainer.keep_last=3", "--resume")),
+        "overwrite": (overwrite, lambda: _train(demo_workspace, overwrite, "trainer.total_steps=1", "trainer.save_every=1", "trainer.keep_last=1", "--overwrite")),
+        "refused": (previous_run, lambda: _train(demo_workspace, previous_run, "trainer.total_steps=1")),
+    }
+    done = {name: (runs[name][0], proc) for name, proc in two_at_a_time({name: run for name, (_, run) in runs.items()}).items()}
+    return {**done, "victim": victim, "listing_before": listing_before}
+
+
+def test_a_fresh_run_into_a_previous_run_is_refused(runs_on_the_previous_run, previous_run):
+    _, proc = runs_on_the_previous_run["refused"]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "is not empty" in proc.stderr and "--resume" in proc.stderr and "--overwrite" in proc.stderr
+    # Nothing of the old run touched (the other runs work on copies).
+    assert _listing(previous_run) == runs_on_the_previous_run["listing_before"]
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_equals_the_uninterrupted_run(runs_on_the_previous_run, previous_run):
+    run, proc = runs_on_the_previous_run["corrupt"]
+    victim = runs_on_the_previous_run["victim"]
+    reference = read_metrics(previous_run)
     assert_ok(proc)
     assert "Traceback" not in proc.stderr
     assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout, proc.stdout[-3000:]
@@ -118,14 +154,8 @@ def test_resume_skips_a_corrupt_checkpoint_and_equals_the_uninterrupted_run(demo
     assert deterministic(resumed[3]) == deterministic(reference[3])
 
 
-def test_overwrite_replaces_the_previous_run(demo_workspace, previous_run, tmp_path):
-    import shutil
-
-    run = tmp_path / "run"
-    shutil.copytree(previous_run, run)
-    assert list((run / "tensorboard").iterdir())
-    (run / "notes.txt").write_text("mine")
-    proc = _train(demo_workspace, run, "trainer.total_steps=1", "trainer.save_every=1", "trainer.keep_last=1", "--overwrite")
+def test_overwrite_replaces_the_previous_run(runs_on_the_previous_run):
+    run, proc = runs_on_the_previous_run["overwrite"]
     assert_ok(proc)
     assert "--overwrite: removed checkpoints, tensorboard, metrics.jsonl" in proc.stdout, proc.stdout[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000001"]
@@ -134,16 +164,10 @@ def test_overwrite_replaces_the_previous_run(demo_workspace, previous_run, tmp_p
     assert (run / "notes.txt").read_text() == "mine"  # not a run's file: left alone
 
 
-def test_resume_at_another_layout_from_a_dp_reshardable_checkpoint_is_a_named_error(demo_workspace, previous_run, tmp_path):
+def test_resume_at_another_layout_from_a_dp_reshardable_checkpoint_is_a_named_error(runs_on_the_previous_run):
     """The latest intact checkpoint is a periodic (dp_reshardable) one; resuming it at TP=2 stops with
     one message that says what differs and what to do, before the rollout engine starts."""
-    import shutil
-
-    run = tmp_path / "run"
-    shutil.copytree(previous_run, run)
-    shutil.rmtree(run / "checkpoints" / "step_00000003")  # the final, fully reshardable one
-    proc = run_cli("train", "--config", str(CONFIG), *FAST, *workspace_overrides(demo_workspace, run),
-                   "trainer.total_steps=3", "parallel.tp=2", "--resume", nproc=2)  # fmt: skip
+    _, proc = runs_on_the_previous_run["other_layout"]
     assert proc.returncode != 0
     assert "megatron-dapo: error (rank " in proc.stderr and "dp_reshardable" in proc.stderr, proc.stderr[-3000:]
     assert "tp 1 -> 2" in proc.stderr and "fully reshardable" in proc.stderr

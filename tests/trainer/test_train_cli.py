@@ -1,9 +1,10 @@
 """`megatron-dapo train` end to end on the tiny demo model (real Megatron actor, embedded engine, reward pool).
 
-The one-process runs start together, two at a time (`one_process_runs`): a run is mostly start-up
-(imports) on one core, so a second one uses the other. One uninterrupted five-step run is the
-reference of the resume and (its step 1) of the two-process layouts; one one-step run serves the
-validation and the overlong-filter checks.
+Every run of the module with the embedded engine starts from one pool, two at a time (`module_runs`,
+longest first): a run spends much of its time in start-up (imports) and in phases where one process
+works while the other waits, so a second run fills the idle core. The vLLM runs share a second pool
+(`vllm_runs`). One uninterrupted five-step run is the reference of the resume and (its step 1) of the
+two-process layouts; one one-step run serves the validation and the overlong-filter checks.
 
 * resume: a run stopped by SIGTERM after step 3 writes a checkpoint and exits 143; `--resume`
   continues it, and steps 4-5 equal those of an uninterrupted run (every logged value that is not a
@@ -19,12 +20,12 @@ import json
 import math
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, stop_after_step, workspace_overrides
+from torchrun_utils import two_at_a_time
 
 TOTAL = ["trainer.total_steps=5"]
 BAD_INPUT = {  # case: (overrides, the key the error must name)
@@ -75,10 +76,32 @@ def _run_stopped_after_step_3(command: list[str], output_dir: Path) -> subproces
     return stop_after_step(proc, output_dir, 3, timeout=600)
 
 
+LAYOUTS = {"tp2": "parallel.tp=2", "pp2": "parallel.pp=2", "cp2": "parallel.cp=2"}  # run name: override
+
+
+def _two_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cli("train", "--config", str(CONFIG), *FAST, *args, nproc=2, timeout=timeout)
+
+
+def _two_at_a_time(runs: dict, root: Path) -> dict[str, tuple[Path, object]]:
+    """The runs two at a time, in order: name -> (root / name, what it returned)."""
+    return {name: (root / name, result) for name, result in two_at_a_time(runs).items()}
+
+
+def _stop_then_resume(command: list[str], output_dir: Path) -> tuple:
+    """The run stopped after step 3, the checkpoint it left (`latest`, read before the resume moves
+    it), then the same command with `--resume`: (stopped, latest, resumed)."""
+    stopped = _run_stopped_after_step_3(command, output_dir)
+    latest = output_dir / "checkpoints" / "latest"
+    left = latest.read_text().strip() if latest.exists() else None
+    return stopped, left, _run([*command, "--resume"])
+
+
 @pytest.fixture(scope="module")
-def one_process_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Every one-process run of the module, two at a time, longest first: name -> (output dir, process)."""
-    root = tmp_path_factory.mktemp("one_process")
+def module_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """Every run of the module with the embedded engine, two at a time, longest first:
+    name -> (output dir, process; for "stopped": (process, its latest checkpoint, the resumed process))."""
+    root = tmp_path_factory.mktemp("runs")
     bad_data = root / "bad.jsonl"
     bad_data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "x"}) + "\n")
 
@@ -86,9 +109,12 @@ def one_process_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, 
         return workspace_overrides(demo_workspace, root / name)
 
     runs = {
+        # The same run stopped and resumed, and uninterrupted; no periodic checkpoints (FAST: trainer.save_every=0).
+        "stopped": lambda: _stop_then_resume(_one_process(*TOTAL, *out("stopped")), root / "stopped"),
         "straight": lambda: _run(_one_process(*TOTAL, *out("straight"))),
-        # The same run, stopped; no periodic checkpoints (FAST: trainer.save_every=0).
-        "stopped": lambda: _run_stopped_after_step_3(_one_process(*TOTAL, *out("stopped")), root / "stopped"),
+        # Two processes, one step each (the layouts) or two (DP=2).
+        **{name: (lambda name=name, layout=layout: _two_process("trainer.total_steps=1", layout, *out(name))) for name, layout in LAYOUTS.items()},
+        "dp2": lambda: _two_process("trainer.total_steps=2", *out("dp2")),
         # The config given positionally (`train CONFIG`).
         "validated_filtered": lambda: _run(cli("train", str(CONFIG), *FAST, "trainer.total_steps=1", "trainer.val_before_train=true",
                                                "trainer.eval_every=1", "rollout.val_n=4", "algorithm.overlong_filter=true",
@@ -98,17 +124,15 @@ def one_process_runs(demo_workspace, tmp_path_factory) -> dict[str, tuple[Path, 
         "no_ground_truth": lambda: _run(_one_process(*out("no_ground_truth"), f"data.train_files=[{bad_data}]")),
         **{case: (lambda overrides=overrides, case=case: _run(_one_process(*out(case), *overrides))) for case, (overrides, _) in BAD_INPUT.items()},
     }
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        started = {name: pool.submit(run) for name, run in runs.items()}
-    return {name: (root / name, job.result()) for name, job in started.items()}
+    return _two_at_a_time(runs, root)
 
 
 @pytest.fixture(scope="module")
-def straight_run(one_process_runs) -> Path:
+def straight_run(module_runs) -> Path:
     """Five uninterrupted steps in one process (its output directory). Step 1 does not depend on
     trainer.total_steps (constant learning rate after the warm-up, same prompt sampler), so it is
     also the one-process reference of the two-process layouts, which run one step."""
-    out, proc = one_process_runs["straight"]
+    out, proc = module_runs["straight"]
     _assert_ok(proc)
     return out
 
@@ -122,16 +146,16 @@ def test_an_uninterrupted_run_logs_every_step_and_plots(straight_run):
     assert all(reference[s]["actor/grad_norm"] > 0 for s in reference)
 
 
-def test_sigterm_checkpoint_then_resume_equals_uninterrupted(one_process_runs, straight_run):
+def test_sigterm_checkpoint_then_resume_equals_uninterrupted(module_runs, straight_run):
     reference = read_metrics(straight_run)
-    stopped, proc = one_process_runs["stopped"]
+    stopped, (proc, latest, resume) = module_runs["stopped"]
     assert proc.returncode == 143, proc.stdout[-4000:]
-    latest = (stopped / "checkpoints" / "latest").read_text().strip()
+    assert latest is not None, "the stopped run left no checkpoints/latest"
     stopped_at = int(latest.split("_")[-1])
     assert stopped_at in (3, 4), latest  # the signal lands during step 3's logging or step 4
     assert "continue with --resume" in proc.stdout
 
-    _assert_ok(_run([*proc.args, "--resume"]))
+    _assert_ok(resume)
     resumed = read_metrics(stopped)
     assert sorted(resumed) == [1, 2, 3, 4, 5]  # each step logged once
     for step in (4, 5):
@@ -139,24 +163,23 @@ def test_sigterm_checkpoint_then_resume_equals_uninterrupted(one_process_runs, s
         assert not problems, f"step {step} differs after resume:\n" + "\n".join(problems[:20])
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
-def test_two_process_layouts_match_one_process(demo_workspace, straight_run, tmp_path, layout):
-    two = tmp_path / "two"
-    steps = ["trainer.total_steps=1"]
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, *steps, layout, *workspace_overrides(demo_workspace, two), nproc=2))
+@pytest.mark.parametrize("name", list(LAYOUTS), ids=list(LAYOUTS.values()))
+def test_two_process_layouts_match_one_process(module_runs, straight_run, name):
+    two, proc = module_runs[name]
+    _assert_ok(proc)
     a, b = deterministic(read_metrics(straight_run)[1]), deterministic(read_metrics(two)[1])
     exact = {k for k in a if k.startswith(("critic/", "response_length/", "prompt_length/", "train/"))}
     assert not _same({k: a[k] for k in exact}, {k: b[k] for k in exact}), "the rollout differs"
-    if layout == "parallel.cp=2":  # rows are padded to a multiple of 2*CP, and the budget is per rank
+    if name == "cp2":  # rows are padded to a multiple of 2*CP, and the budget is per rank
         assert b.pop("actor/pad_fraction") >= a.pop("actor/pad_fraction")
     assert not _same(a, b, rel=1e-4), _same(a, b, rel=1e-4)
 
 
 @pytest.fixture(scope="module")
-def validated_filtered_run(one_process_runs) -> Path:
+def validated_filtered_run(module_runs) -> Path:
     """One step with validation before and after it, and `algorithm.overlong_filter=true` with groups
     filtered on the score: the filter changes what the update counts, not what validation measures."""
-    out, proc = one_process_runs["validated_filtered"]
+    out, proc = module_runs["validated_filtered"]
     _assert_ok(proc)
     return out
 
@@ -189,34 +212,48 @@ def test_overlong_filter_and_score_metrics(validated_filtered_run):
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_fails_with_the_key(one_process_runs, case):
-    _, proc = one_process_runs[case]
+def test_bad_input_fails_with_the_key(module_runs, case):
+    _, proc = module_runs[case]
     assert proc.returncode != 0
     assert BAD_INPUT[case][1] in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 
-def test_dataset_without_ground_truth_is_refused(one_process_runs):
-    _, proc = one_process_runs["no_ground_truth"]
+def test_dataset_without_ground_truth_is_refused(module_runs):
+    _, proc = module_runs["no_ground_truth"]
     assert proc.returncode == 2
     assert "ground_truth" in proc.stderr and "bad.jsonl" in proc.stderr
 
 
-def test_dynamic_sampling_that_runs_dry_says_what_to_change(one_process_runs):
+def test_dynamic_sampling_that_runs_dry_says_what_to_change(module_runs):
     """The untrained model answers nothing right: every group is all-wrong and the step cannot fill."""
-    _, proc = one_process_runs["dry"]
+    _, proc = module_runs["dry"]
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "max_num_gen_batches" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_two_spmd_vllm_engines_train_with_weight_sync_every_step(demo_workspace, tmp_path, require_vllm):
+@pytest.fixture(scope="module")
+def vllm_runs(demo_workspace, tmp_path_factory, require_vllm) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The module's vLLM runs (two processes each), two at a time: name -> (output dir, process)."""
+    root = tmp_path_factory.mktemp("vllm_runs")
+    vllm = ["trainer.total_steps=2", "rollout.engine=vllm"]
+    tp2 = ["parallel.tp=2", "rollout.tp=2", "rollout.seed_per_prompt=true"]  # seeds per prompt: batching-independent
+    runs = {
+        **{placement: (lambda placement=placement: _two_process(*vllm, *tp2, f"rollout.placement={placement}",
+                                                                *workspace_overrides(demo_workspace, root / placement), timeout=900))
+           for placement in ("spmd", "leader")},
+        "dp2": lambda: _two_process(*vllm, *workspace_overrides(demo_workspace, root / "dp2"), timeout=900),
+    }  # fmt: skip
+    return _two_at_a_time(runs, root)
+
+
+def test_two_spmd_vllm_engines_train_with_weight_sync_every_step(vllm_runs):
     """The demo with `rollout.engine=vllm` (vLLM's CPU build, spmd placement) over two processes
     (DP=2, rollout.tp=1): two SPMD engines, each generating half of the prompts; the pooled batch
     holds every prompt group; weights pushed after each of the two steps. (One process with one
     engine: test_vllm_resume.py, on its uninterrupted run.)"""
-    out = tmp_path / "vllm"
-    _assert_ok(run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm",
-                       *workspace_overrides(demo_workspace, out), nproc=2))  # fmt: skip
+    out, proc = vllm_runs["dp2"]
+    _assert_ok(proc)
     metrics = read_metrics(out)
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
@@ -227,17 +264,14 @@ def test_two_spmd_vllm_engines_train_with_weight_sync_every_step(demo_workspace,
         assert metrics[step]["weight_sync/seconds"] > 0
 
 
-def test_spmd_vllm_tp2_steps_equal_the_leader_placement(demo_workspace, tmp_path, require_vllm):
+def test_spmd_vllm_tp2_steps_equal_the_leader_placement(vllm_runs):
     """TP=2 actor over two processes with a TP=2 vLLM engine: `rollout.placement=spmd` (each process
     holds one engine shard, weights handed over in-process per rank: tp_shards) against the leader
     placement (rank 0's engine spawns two vLLM workers; shared-memory hand-over). Same seeds, same
     weights: the two steps must log the same values (wall-clock ones aside)."""
     runs = {}
     for placement in ("spmd", "leader"):
-        out = tmp_path / placement
-        proc = run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", "rollout.engine=vllm", "parallel.tp=2",
-                       "rollout.tp=2", f"rollout.placement={placement}", "rollout.seed_per_prompt=true",  # batching-independent
-                       *workspace_overrides(demo_workspace, out), nproc=2, timeout=600)  # fmt: skip
+        out, proc = vllm_runs[placement]
         _assert_ok(proc)
         assert f"weight sync: {'tp_shards' if placement == 'spmd' else 'shared_memory'}" in proc.stdout, proc.stdout[-2000:]
         runs[placement] = read_metrics(out)
@@ -249,10 +283,9 @@ def test_spmd_vllm_tp2_steps_equal_the_leader_placement(demo_workspace, tmp_path
         assert spmd["rollout_mismatch/mean_abs"] < 1e-3
 
 
-def test_two_data_parallel_replicas_each_generate_their_share(demo_workspace, tmp_path):
+def test_two_data_parallel_replicas_each_generate_their_share(module_runs):
     """DP=2: two engines (one per replica), gathered generation batches, one decision, one update."""
-    out = tmp_path / "dp2"
-    proc = run_cli("train", "--config", str(CONFIG), *FAST, "trainer.total_steps=2", *workspace_overrides(demo_workspace, out), nproc=2)
+    out, proc = module_runs["dp2"]
     _assert_ok(proc)
     assert "dp 2" in proc.stdout, proc.stdout[-2000:]
     metrics = read_metrics(out)

@@ -6,15 +6,21 @@
   because of the log-prob mismatch alone;
 * `tools/check_sync.py` at PP=2 after one real optimizer step, with `--corrupt-tensor`: the
   corrupted tensor is reported as differing and the exit code is 1.
-The command's help and its bad arguments, in this process: tests/cli/test_check_sync.py.
+The commands start two at a time (`runs`). The command's help and its bad arguments, in this
+process: tests/cli/test_check_sync.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from torchrun_utils import two_at_a_time
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -30,8 +36,29 @@ def _mismatch(stdout: str) -> tuple[float, float]:
     return float(match.group(1)), float(match.group(2))
 
 
-def test_tp2_passes_and_reports_every_tensor(tiny_model_dirs):
-    out = _run("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "embedded", "--tp", "2")
+CORRUPTED_IN_VLLM = "model.layers.1.mlp.up_proj.weight"
+CORRUPTED_AFTER_STEP = "model.layers.2.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dirs) -> dict[str, subprocess.CompletedProcess]:
+    """Every command of the module, two at a time, longest first (the vLLM one only where vLLM
+    imports; its test then fails or skips through `require_vllm`): name -> process."""
+    jobs = {
+        "spmd_vllm": lambda: _run("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "vllm", "--tp", "2", "--placement", "spmd",
+                                  "--corrupt-tensor", CORRUPTED_IN_VLLM, timeout=600),
+        "after_step": lambda: _run("--hf-dir", str(tiny_model_dirs["llama3"]), "--pp", "2", "--update", "step",
+                                   "--corrupt-tensor", CORRUPTED_AFTER_STEP, "--only-failures", script=True, timeout=400),
+        "tp2": lambda: _run("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "embedded", "--tp", "2", timeout=400),
+        "single_process": lambda: _run("--hf-dir", str(tiny_model_dirs["qwen2"]), "--tolerance", "1e-12", "--only-failures", timeout=400),
+    }  # fmt: skip
+    if importlib.util.find_spec("vllm") is None:
+        del jobs["spmd_vllm"]
+    return two_at_a_time(jobs)
+
+
+def test_tp2_passes_and_reports_every_tensor(runs):
+    out = runs["tp2"]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "starting 2 processes" in out.stdout
     assert "before the sync, 50 of 50 engine tensors differ from the actor" in out.stdout
@@ -42,13 +69,12 @@ def test_tp2_passes_and_reports_every_tensor(tiny_model_dirs):
     assert 0 <= mean <= largest < 1e-4
 
 
-def test_spmd_vllm_tp2_fails_only_on_a_corrupted_tensor(tiny_model_dirs, require_vllm):
+def test_spmd_vllm_tp2_fails_only_on_a_corrupted_tensor(require_vllm, runs):
     """--placement spmd: each of the 2 processes holds one vLLM shard; tp_shards sync. The self-test
     corrupts one tensor after the sync: that one must fail and every other one compare equal (one
     launch covers both the passing sync and the failing check; a vLLM TP=2 start costs ~35 s)."""
-    name = "model.layers.1.mlp.up_proj.weight"
-    out = _run("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "vllm", "--tp", "2", "--placement", "spmd",
-               "--corrupt-tensor", name, timeout=400)  # fmt: skip
+    name = CORRUPTED_IN_VLLM
+    out = runs["spmd_vllm"]
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "spmd, TP=2 shards on every rank" in out.stdout and "(tp_shards)" in out.stdout
     assert re.findall(r"^   DIFF  (\S+)", out.stdout, flags=re.M) == [name]
@@ -58,8 +84,8 @@ def test_spmd_vllm_tp2_fails_only_on_a_corrupted_tensor(tiny_model_dirs, require
     assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout
 
 
-def test_single_process_fails_on_tolerance_alone(tiny_model_dirs):
-    out = _run("--hf-dir", str(tiny_model_dirs["qwen2"]), "--tolerance", "1e-12", "--only-failures")
+def test_single_process_fails_on_tolerance_alone(runs):
+    out = runs["single_process"]
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "starting" not in out.stdout  # one process: no relaunch
     assert "51 of 51 tensors equal" in out.stdout and "DIFF" not in out.stdout
@@ -68,12 +94,9 @@ def test_single_process_fails_on_tolerance_alone(tiny_model_dirs):
     assert "FAIL: max |diff|" in out.stdout
 
 
-def test_corrupted_tensor_after_an_optimizer_step_fails(tiny_model_dirs):
-    name = "model.layers.2.mlp.up_proj.weight"
-    out = _run(
-        "--hf-dir", str(tiny_model_dirs["llama3"]), "--pp", "2", "--update", "step",
-        "--corrupt-tensor", name, "--only-failures", script=True,
-    )  # fmt: skip
+def test_corrupted_tensor_after_an_optimizer_step_fails(runs):
+    name = CORRUPTED_AFTER_STEP
+    out = runs["after_step"]
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "one optimizer step" in out.stdout
     assert "before the sync, 39 of 39 engine tensors differ" in out.stdout

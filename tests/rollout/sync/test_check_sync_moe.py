@@ -8,11 +8,12 @@ hand-over (auto at TP=2); the engine's read-back covers the router and every exp
   reported (one launch covers both; a vLLM start costs ~30 s to minutes here);
 * vLLM (spmd placement, tp_shards hand-over): every tensor equal, PASS;
 * the embedded engine (transformers' fused experts, `model/hf_experts.py`): every tensor equal, PASS.
-The dense models' runs: tests/rollout/sync/test_check_sync.py.
+The commands start two at a time (`runs`). The dense models' runs: tests/rollout/sync/test_check_sync.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import save_tiny_model
+from torchrun_utils import two_at_a_time
 
 ROOT = Path(__file__).resolve().parents[3]
 TENSORS = 45  # embedding, final norm, LM head + 2 layers x (9 attention / norm / router + 4 experts x 3)
@@ -40,9 +42,26 @@ def _ok_names(stdout: str) -> list[str]:
     return re.findall(r"^   OK    (\S+)", stdout, flags=re.M)
 
 
-def test_vllm_reads_router_and_experts_back_and_names_a_corrupted_expert(moe_dir, require_vllm):
-    name = "model.layers.1.mlp.experts.2.down_proj.weight"
-    out = _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", name)
+CORRUPTED = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def runs(moe_dir) -> dict[str, subprocess.CompletedProcess]:
+    """The three commands, two at a time (the vLLM ones only where vLLM imports; their tests then fail
+    or skip through `require_vllm`): name -> process."""
+    jobs = {
+        "vllm_leader": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", CORRUPTED, timeout=900),
+        "vllm_spmd": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd", timeout=900),
+        "embedded": lambda: _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2"),
+    }
+    if importlib.util.find_spec("vllm") is None:
+        jobs = {"embedded": jobs["embedded"]}
+    return two_at_a_time(jobs)
+
+
+def test_vllm_reads_router_and_experts_back_and_names_a_corrupted_expert(require_vllm, runs):
+    name = CORRUPTED
+    out = runs["vllm_leader"]
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"before the sync, {TENSORS} of {TENSORS} engine tensors differ from the actor" in out.stdout
     assert "(shared_memory)" in out.stdout
@@ -56,17 +75,17 @@ def test_vllm_reads_router_and_experts_back_and_names_a_corrupted_expert(moe_dir
     assert f"FAIL: 1 tensor(s) differ ({name})" in out.stdout
 
 
-def test_vllm_spmd_placement_takes_the_experts_as_tp_shards(moe_dir, require_vllm):
+def test_vllm_spmd_placement_takes_the_experts_as_tp_shards(require_vllm, runs):
     """vLLM's default placement: every process holds its engine shard and loads its own TP slices
     (`tp_shards.PlacedSlice` through vLLM's expert loader, which stacks and unstacks each expert)."""
-    out = _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd")
+    out = runs["vllm_spmd"]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "(tp_shards)" in out.stdout
     assert f"{TENSORS} of {TENSORS} tensors equal" in out.stdout and "PASS" in out.stdout
 
 
-def test_embedded_engine_passes_with_every_expert_equal(moe_dir):
-    out = _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2")
+def test_embedded_engine_passes_with_every_expert_equal(runs):
+    out = runs["embedded"]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{TENSORS} of {TENSORS} tensors equal" in out.stdout and "PASS" in out.stdout
     ok = _ok_names(out.stdout)

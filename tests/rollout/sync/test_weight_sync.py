@@ -22,18 +22,20 @@ The vLLM launch uses the tiny Qwen3 (head_dim 32: vLLM's CPU attention needs 32 
 own read-back (`VLLMEngine.named_weights`, which reads the weights through its kernels). Without
 vLLM the test skips, except under CI (`tests/ci.py`: CI=true, 1 or yes) where it fails.
 
-The parts that need no process group run in one process: bucketing (test_bucketing.py), the
-TP-shard rule (test_shards.py), the dispatcher (test_dispatch.py).
+The three launches start two at a time (`launches`). The parts that need no process group run in
+one process: bucketing (test_bucketing.py), the TP-shard rule (test_shards.py), the dispatcher
+(test_dispatch.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_torchrun_script
+from torchrun_utils import run_torchrun_script, two_at_a_time
 
 WORKER = Path(__file__).parent / "_sync_worker.py"
 LAYOUTS = [
@@ -58,25 +60,42 @@ MAX_LOGPROB_DIFF = 5e-5
 
 def _launch(model_dir: Path, engine: str, timeout: float, layouts=LAYOUTS, nproc: int = 4, engine_tp: int = 1):
     kwargs = {"model_dir": str(model_dir), "layouts": layouts, "engine_kind": engine, "bucket_mb": BUCKET_MB, "engine_tp": engine_tp}
-    result = run_torchrun_script(WORKER, nproc=nproc, args=[json.dumps(kwargs)], timeout=timeout)
+    return run_torchrun_script(WORKER, nproc=nproc, args=[json.dumps(kwargs)], timeout=timeout)
+
+
+def _rank_results(result):
     result.check()
     assert all(r is not None and "error" not in r for r in result.rank_results), result.tail()
     return result.rank_results
 
 
 @pytest.fixture(scope="module")
-def embedded_results(tiny_model_dirs):
-    return _launch(tiny_model_dirs["qwen2"], "embedded", timeout=300)
+def launches(tiny_model_dirs):
+    """The three launches, two at a time, longest first (the vLLM ones only where vLLM imports; their
+    tests then fail or skip through `require_vllm`): name -> TorchrunResult."""
+    jobs = {
+        "vllm": lambda: _launch(tiny_model_dirs["qwen3"], "vllm", timeout=900, layouts=VLLM_LAYOUTS),
+        "embedded": lambda: _launch(tiny_model_dirs["qwen2"], "embedded", timeout=600),
+        "vllm_tp2": lambda: _launch(tiny_model_dirs["qwen3"], "vllm", timeout=900, layouts=VLLM_TP2_LAYOUTS, nproc=2, engine_tp=2),
+    }
+    if importlib.util.find_spec("vllm") is None:
+        jobs = {"embedded": jobs["embedded"]}
+    return two_at_a_time(jobs)
 
 
 @pytest.fixture(scope="module")
-def vllm_results(tiny_model_dirs, require_vllm):
-    return _launch(tiny_model_dirs["qwen3"], "vllm", timeout=600, layouts=VLLM_LAYOUTS)
+def embedded_results(launches):
+    return _rank_results(launches["embedded"])
 
 
 @pytest.fixture(scope="module")
-def vllm_tp2_results(tiny_model_dirs, require_vllm):
-    return _launch(tiny_model_dirs["qwen3"], "vllm", timeout=600, layouts=VLLM_TP2_LAYOUTS, nproc=2, engine_tp=2)
+def vllm_results(require_vllm, launches):
+    return _rank_results(launches["vllm"])
+
+
+@pytest.fixture(scope="module")
+def vllm_tp2_results(require_vllm, launches):
+    return _rank_results(launches["vllm_tp2"])
 
 
 def _summary(rank_results, engine: str) -> str:
