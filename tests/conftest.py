@@ -65,6 +65,7 @@ LONGEST_FIRST = (
     "trainer/test_train_cli.py",
     "rollout/sync/test_weight_sync.py",
     "trainer/test_moe_train.py",
+    "trainer/test_router_replay_train.py",
     "slurm/test_sbatch.py",
     "rollout/engines/test_vllm_resume.py",
     "rollout/engines/test_vllm_engine.py",
@@ -76,9 +77,12 @@ LONGEST_FIRST = (
     "rollout/sync/test_push_memory.py",
     "trainer/test_output_dir.py",
     "rollout/sync/test_sglang_check_sync.py",
+    "rollout/engines/test_sglang_routing.py",
     "trainer/test_preemption.py",
     "rollout/engines/test_vllm_moe.py",
     "actor/test_moe_update.py",
+    "actor/test_router_replay.py",
+    "rollout/engines/test_embedded_routing.py",
 )
 
 
