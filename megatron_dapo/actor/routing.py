@@ -41,7 +41,6 @@ import torch.distributed as dist
 from megatron_dapo.distributed.context_parallel import split_for_cp_rank
 
 __all__ = [
-    "ROUTER_REPLAY_MODES",
     "RoutingMismatch",
     "RoutingPass",
     "fill_routing",
@@ -52,9 +51,6 @@ __all__ = [
     "routing_mismatch",
     "scatter_recorded",
 ]
-
-ROUTER_REPLAY_MODES = ("off", "r2", "r3")
-
 
 def fill_routing(shape: Sequence[int], device=None) -> torch.Tensor:
     """Routing of positions no token occupies: experts 0..k-1 in every layer (valid, distinct)."""
@@ -209,15 +205,15 @@ class RoutingPass:
 def pooled_routing_mismatch(engine: torch.Tensor, actor: torch.Tensor, read: torch.Tensor, stage_group, data_group) -> RoutingMismatch:
     """`routing_mismatch` over the whole batch (a collective): a token differs when it does in a
     layer of any pipeline stage; counts summed over the data-parallel replicas."""
-    differs, differing_layers = routing_mismatch(engine.to(actor.device), actor, read.to(actor.device))
-    differs = differs.to(torch.int64)
-    for group, op, value in ((stage_group, dist.ReduceOp.MAX, differs), (stage_group, dist.ReduceOp.SUM, differing_layers)):
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(value, op=op, group=group)
-    layers = actor.shape[2]
     read = read.to(actor.device)
+    differs, differing_layers = routing_mismatch(engine.to(actor.device), actor, read)
+    differs = differs.to(torch.int64)
+    if stage_group is not None and dist.get_world_size(stage_group) > 1:
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=stage_group)  # any layer of any stage
+        dist.all_reduce(differing_layers, group=stage_group)  # each stage counts its own layers
+    tokens = float(read.sum())
     counts = torch.tensor(
-        [float(read.sum()), float(differs[read].sum()), float(read.sum()) * layers, float(differing_layers[read].sum())],
+        [tokens, float(differs[read].sum()), tokens * actor.shape[2], float(differing_layers[read].sum())],
         dtype=torch.float64, device=actor.device,
     )  # fmt: skip
     if data_group is not None and dist.get_world_size(data_group) > 1:
