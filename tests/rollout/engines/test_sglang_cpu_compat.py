@@ -97,6 +97,8 @@ def test_install_serves_torchvision_placeholders_only_when_it_is_absent(monkeypa
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, finders)])
     for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.") or n == "sgl_kernel"]:
         monkeypatch.delitem(sys.modules, name)
+    # As if SGLang's host pool were not imported yet (an earlier in-process SGLang test may have).
+    monkeypatch.delitem(sys.modules, compat.HOST_POOL_MODULE, raising=False)
     if compat._importable("torchvision"):
         pytest.skip("a real torchvision is installed here")
     monkeypatch.setitem(sys.modules, "sgl_kernel", None)  # restored (removed) afterwards
@@ -115,6 +117,18 @@ def test_install_serves_torchvision_placeholders_only_when_it_is_absent(monkeypa
     finally:
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.") or n == "sgl_kernel"]:
             del sys.modules[name]
+
+
+def test_install_patches_an_already_imported_host_pool_once(monkeypatch):
+    finders = (compat._PlaceholderFinder, compat._AfterImportFinder)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, finders)])
+    host_pool = types.ModuleType(compat.HOST_POOL_MODULE)
+    host_pool.ALLOC_MEMORY_FUNCS = {"cuda": object()}
+    monkeypatch.setitem(sys.modules, compat.HOST_POOL_MODULE, host_pool)
+    assert "host_pool_allocator" in compat.install()
+    assert host_pool.ALLOC_MEMORY_FUNCS["cpu"] is compat.alloc_host_buffer_cpu
+    assert not any(isinstance(f, compat._AfterImportFinder) for f in sys.meta_path)  # patched in place
+    assert "host_pool_allocator" not in compat.install()  # once is enough, also when it was already loaded
 
 
 def _child(env: dict, code: str) -> str:

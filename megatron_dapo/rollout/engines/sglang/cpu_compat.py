@@ -225,6 +225,14 @@ def _patch_host_pool(module: types.ModuleType) -> None:
         functions["cpu"] = alloc_host_buffer_cpu
 
 
+def _host_pool_patched() -> bool:
+    """True once `install` has patched SGLang's host-pool module, or will when it is imported."""
+    if any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
+        return True
+    functions = getattr(sys.modules.get(HOST_POOL_MODULE), "ALLOC_MEMORY_FUNCS", None)
+    return functions is not None and functions.get("cpu") is alloc_host_buffer_cpu
+
+
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
     """Runs `_patch_host_pool` on SGLang's host-pool module right after it is imported (first on sys.meta_path)."""
 
@@ -247,7 +255,7 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 def install() -> list[str]:
     """Put the stand-ins in place in this process where the real package is missing; returns what was installed."""
     installed = []
-    if not any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
+    if not _host_pool_patched():
         loaded = sys.modules.get(HOST_POOL_MODULE)
         if loaded is not None:
             _patch_host_pool(loaded)
