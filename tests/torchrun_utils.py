@@ -115,7 +115,7 @@ class TorchrunResult:
     rank_results: list[Any] = field(default_factory=list)
     timed_out: bool = False
 
-    def tail(self, chars: int = 6000) -> str:
+    def tail(self, chars: int = 10000) -> str:
         return self.output[-chars:]
 
     def check(self) -> "TorchrunResult":
@@ -135,6 +135,7 @@ def _child_env(result_dir: Path, extra: Optional[dict[str, str]]) -> dict[str, s
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung rank stopped with SIGABRT prints every thread's stack
     env[RESULT_DIR_ENV] = str(result_dir)
     # The parent may run under a torchrun itself; its variables must not leak into the children.
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
@@ -153,7 +154,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, result_dir: Path, 
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        _stop_process_groups([proc])  # the launcher and every rank it started
         output, _ = proc.communicate()
     return TorchrunResult(
         returncode=proc.returncode,
@@ -162,6 +163,26 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, result_dir: Path, 
         rank_results=read_rank_results(result_dir, nproc),
         timed_out=timed_out,
     )
+
+
+HANG_STACKS_GRACE_S = 5.0
+
+
+def _stop_process_groups(procs: Sequence[subprocess.Popen]) -> None:
+    """Stop each still-running process's whole group: SIGABRT first, so that every hung Python
+    process prints its threads' stacks (PYTHONFAULTHANDLER) into the output, then SIGKILL."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGABRT)
+    deadline = time.monotonic() + HANG_STACKS_GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in running):
+        time.sleep(0.1)
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in running:
+        p.wait()
 
 
 def _launcher(nproc: int, use_torchrun: bool) -> list[str]:
@@ -278,21 +299,21 @@ def run_slurm_function(
             )
         # Poll: a task that fails makes the others wait in a collective, so stop them all at once.
         timed_out = False
+        stopped: set[int] = set()
         while any(p.poll() is None for p in procs):
             failed = any(p.poll() not in (None, 0) for p in procs)
             timed_out = time.monotonic() - start > timeout
             if failed or timed_out:
-                for p in procs:
-                    if p.poll() is None:
-                        os.killpg(p.pid, signal.SIGKILL)
-                for p in procs:
-                    p.wait()
+                stopped = {task for task, p in enumerate(procs) if p.poll() is None}
+                _stop_process_groups(procs)
                 break
             time.sleep(0.2)
         outputs, codes = [], []
         for task, (proc, log) in enumerate(zip(procs, logs)):
             log.seek(0)
-            outputs.append(f"----- task {task} -----\n{log.read()}")
+            state = "stopped while still running" if task in stopped else f"exited with {proc.returncode}"
+            wrote = (Path(result_dir) / f"rank{task}.json").exists()
+            outputs.append(f"----- task {task} ({state}; result {'written' if wrote else 'not written'}) -----\n{log.read()}")
             log.close()
             codes.append(proc.returncode)
         return TorchrunResult(
