@@ -156,6 +156,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, result_dir: Path, 
         timed_out = True
         _stop_process_groups([proc])  # the launcher and every rank it started
         output, _ = proc.communicate()
+    _log_launch(cmd, nproc, time.monotonic() - start)
     return TorchrunResult(
         returncode=proc.returncode,
         output=output or "",
@@ -163,6 +164,20 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, result_dir: Path, 
         rank_results=read_rank_results(result_dir, nproc),
         timed_out=timed_out,
     )
+
+
+LAUNCH_LOG_ENV = "TORCHRUN_TEST_LAUNCH_LOG"
+
+
+def _log_launch(cmd: Sequence[str], nproc: int, seconds: float) -> None:
+    """With TORCHRUN_TEST_LAUNCH_LOG=path, append one JSON line per launch (which test, what, how
+    long): how the suite's time splits into launches, for docs/TEST_DURATIONS.md."""
+    path = os.environ.get(LAUNCH_LOG_ENV)
+    if path:
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": " ".join(map(str, cmd))[-200:],
+                "nproc": nproc, "seconds": round(seconds, 2)}  # fmt: skip
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 HANG_STACKS_GRACE_S = 5.0
@@ -316,6 +331,7 @@ def run_slurm_function(
             outputs.append(f"----- task {task} ({state}; result {'written' if wrote else 'not written'}) -----\n{log.read()}")
             log.close()
             codes.append(proc.returncode)
+        _log_launch(["slurm", str(entry)], ntasks, time.monotonic() - start)
         return TorchrunResult(
             returncode=next((c for c in codes if c != 0), 0),
             output="\n".join(outputs),
