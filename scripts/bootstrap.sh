@@ -103,6 +103,6 @@ case "$target" in
     demo) exec "$VENV/bin/megatron-dapo" demo ${DEMO_ARGS:-} ;;
     # Two test files at a time (pytest-xdist, a test extra; a module's fixtures stay in one worker):
     # most of a test's time is process start-up that leaves one of the two cores idle.
-    test) exec "$PY" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile ${PYTEST_ARGS:-} tests ;;
+    test) exec "$PY" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder ${PYTEST_ARGS:-} tests ;;
     test-fast) exec "$PY" -m pytest -q -m "not launch" ${PYTEST_ARGS:-} tests ;;
 esac

@@ -1,6 +1,6 @@
 """The multi-process test harness itself: a hung child is stopped at the timeout and leaves its
 threads' stacks and its state (still running, result written or not) in the output, so a CI log
-says where it hung."""
+says where it hung; ranks forked from the preloaded zygote behave as torchrun's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_slurm_function, run_torchrun_function
+from torchrun_utils import _child_env, run_module_forked, run_slurm_function, run_torchrun_function
 
 WORKER = Path(__file__).parent / "_harness_worker.py"
 
@@ -33,3 +33,35 @@ def test_a_hung_single_process_prints_its_stack():
 def test_tasks_that_finish_report_their_exit():
     result = run_slurm_function(WORKER, "finish", ntasks=2, timeout=60).check()
     assert result.rank_results == [{"done": True}, {"done": True}] and not result.timed_out
+
+
+# ---- ranks forked from the preloaded zygote (rank_zygote) -------------------------------------
+
+
+def test_forked_ranks_get_torchrun_environment():
+    result = run_torchrun_function(WORKER, "environment", nproc=2, timeout=120).check()
+    envs = [r["env"] for r in result.rank_results]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [("0", "0", "2", "2"), ("1", "1", "2", "2")]
+    assert envs[0]["MASTER_ADDR"] == "127.0.0.1" and envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+
+
+def test_a_failing_forked_rank_stops_the_others_as_torchrun_does():
+    result = run_torchrun_function(WORKER, "one_rank_fails", nproc=2, timeout=120)
+    assert not result.timed_out and result.returncode == 1  # torchrun's exit code for a failed rank
+    assert "RuntimeError: rank 1 failed on purpose" in result.output
+
+
+def test_a_module_run_forked_splits_streams_and_exits_as_the_command_would(tmp_path):
+    env = {**_child_env(None, None), "OMP_NUM_THREADS": "2"}
+    one = run_module_forked("_harness_worker", ["3"], nproc=1, env=env, cwd=tmp_path, timeout=120)
+    assert one is not None and one.returncode == 3
+    assert one.stdout == "out rank=None threads=2 argv=['3']\n" and one.stderr.endswith(f"err {tmp_path}\n")
+    two = run_module_forked("_harness_worker", ["0"], nproc=2, env=env, cwd=tmp_path, timeout=120)
+    assert two.returncode == 0 and two.stdout.splitlines() == ["out rank=0 threads=2 argv=['0']", "out rank=1 threads=2 argv=['0']"]
+    failed = run_module_forked("_harness_worker", ["5"], nproc=2, env=env, cwd=tmp_path, timeout=120)
+    assert failed.returncode == 1  # torchrun's, whatever the ranks' codes
+
+
+def test_a_variable_read_at_import_time_makes_the_command_run_fresh(tmp_path):
+    env = {**_child_env(None, None), "TORCH_LOGS": "dynamo"}
+    assert run_module_forked("_harness_worker", ["0"], nproc=1, env=env, cwd=tmp_path, timeout=120) is None

@@ -44,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import rank_zygote
+
 __all__ = [
     "RESULT_DIR_ENV",
     "TorchrunResult",
@@ -127,7 +129,7 @@ class TorchrunResult:
         return self
 
 
-def _child_env(result_dir: Path, extra: Optional[dict[str, str]]) -> dict[str, str]:
+def _child_env(result_dir: Optional[Path], extra: Optional[dict[str, str]]) -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(REPO_ROOT), str(TESTS_DIR)]
     if env.get("PYTHONPATH"):
@@ -136,7 +138,8 @@ def _child_env(result_dir: Path, extra: Optional[dict[str, str]]) -> dict[str, s
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # a hung rank stopped with SIGABRT prints every thread's stack
-    env[RESULT_DIR_ENV] = str(result_dir)
+    if result_dir is not None:
+        env[RESULT_DIR_ENV] = str(result_dir)
     # The parent may run under a torchrun itself; its variables must not leak into the children.
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         env.pop(key, None)
@@ -250,12 +253,91 @@ def run_torchrun_function(
     timeout: float = 300.0,
     env: Optional[dict[str, str]] = None,
     use_torchrun: bool = True,
+    fresh_interpreter: bool = False,
 ) -> TorchrunResult:
-    """Call `function(**kwargs)` from the Python file `module_file` on `nproc` ranks."""
+    """Call `function(**kwargs)` from the Python file `module_file` on `nproc` ranks.
+
+    The ranks are forked from this process's zygote (`rank_zygote`: the libraries already imported,
+    torchrun's environment), unless `env` is given (it might be read at import time),
+    `fresh_interpreter` (a test of what gets imported) or TORCHRUN_TEST_LAUNCHER=torchrun: then
+    torchrun (or `python`) starts them.
+    """
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
         result_dir, entry = _write_entry(Path(tmp), module_file, function, kwargs)
+        forked = not env and not fresh_interpreter
+        zygote = rank_zygote.shared_zygote(_child_env(None, None)) if forked else None
+        if zygote is not None:
+            return _run_forked(zygote, entry, nproc, use_torchrun, timeout, result_dir, Path(tmp))
         cmd = [*_launcher(nproc, use_torchrun), str(entry)]
         return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
+
+
+RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "PYTHONFAULTHANDLER", RESULT_DIR_ENV}
+"""Variables a forked rank may have different from the zygote's environment: read after start-up
+(OMP_NUM_THREADS is applied with torch.set_num_threads) or harmless to differ (PYTHONPATH: the
+zygote's sys.path holds the repository and tests/ as well)."""
+
+
+def run_module_forked(
+    module: str, args: Sequence[str], nproc: int, env: dict[str, str], cwd: os.PathLike | str, timeout: float
+) -> Optional[subprocess.CompletedProcess]:
+    """`python -m module args` (nproc 1) or `torchrun --nproc_per_node nproc -m module args`, with
+    the ranks forked from the zygote; the result and `TimeoutExpired` as `subprocess.run(...,
+    capture_output=True, text=True, timeout=timeout)` gives them. None where the zygote cannot run
+    it faithfully (turned off or refused, or `env` differs from the zygote's in a variable that
+    may be read at import time): run it as a real subprocess then."""
+    base = _child_env(None, None)
+    zygote = rank_zygote.shared_zygote(base)
+    differing = {k for k in set(env) | set(base) if env.get(k) != base.get(k)} - RUNTIME_ENV
+    if zygote is None or any(not k.startswith("MDAPO_TEST_") for k in differing):
+        return None
+    envs = rank_zygote.torchrun_environments(dict(env), nproc, free_port()) if nproc > 1 else [dict(env)]
+    cmd = ["torchrun" if nproc > 1 else "python", "-m", module, *args]
+    with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+        log_dir = Path(tmp)
+        start = time.monotonic()
+        supervisor = zygote.launch(envs, log_dir, module=module, args=args, cwd=str(cwd), split_streams=True)
+        codes = rank_zygote.wait_for_exit(log_dir, supervisor, timeout)
+        if codes is None:
+            rank_zygote.stop_group(supervisor, HANG_STACKS_GRACE_S)
+            rank_zygote.wait_for_exit(log_dir, supervisor, 5.0)
+        streams = {
+            name: "".join((log_dir / f"rank{rank}.{name}").read_text(errors="replace")
+                          for rank in range(nproc) if (log_dir / f"rank{rank}.{name}").exists())
+            for name in ("stdout", "stderr")
+        }  # fmt: skip
+    _log_launch(["zygote", *cmd], nproc, time.monotonic() - start)
+    if codes is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=streams["stdout"], stderr=streams["stderr"])
+    failed = [c for c in codes if c != 0]
+    returncode = (failed[0] if nproc == 1 else 1) if failed else 0  # torchrun exits 1 when a rank fails
+    return subprocess.CompletedProcess(cmd, returncode, streams["stdout"], streams["stderr"])
+
+
+def _run_forked(zygote, entry: Path, nproc: int, use_torchrun: bool, timeout: float, result_dir: Path, tmp: Path) -> TorchrunResult:
+    if not use_torchrun and nproc != 1:
+        raise ValueError("use_torchrun=False runs exactly one process")
+    base = _child_env(result_dir, None)
+    envs = rank_zygote.torchrun_environments(base, nproc, free_port()) if use_torchrun else [base]
+    log_dir = tmp / "ranks"
+    log_dir.mkdir()
+    start = time.monotonic()
+    supervisor = zygote.launch(envs, log_dir, entry=str(entry))
+    codes = rank_zygote.wait_for_exit(log_dir, supervisor, timeout)
+    timed_out = codes is None
+    if timed_out:
+        rank_zygote.stop_group(supervisor, HANG_STACKS_GRACE_S)
+        codes = rank_zygote.wait_for_exit(log_dir, supervisor, 5.0) or [-signal.SIGKILL]
+    seconds = time.monotonic() - start
+    _log_launch(["zygote", str(entry)], nproc, seconds)
+    logs = []
+    for rank in range(nproc):
+        path = log_dir / f"rank{rank}.stdout"
+        logs.append(f"----- rank {rank} -----\n{path.read_text(errors='replace') if path.exists() else ''}")
+    failed = [c for c in codes if c != 0]
+    returncode = (failed[0] if not use_torchrun or timed_out else 1) if failed else 0  # torchrun exits 1
+    return TorchrunResult(returncode=returncode, output="\n".join(logs), seconds=seconds,
+                          rank_results=read_rank_results(result_dir, nproc), timed_out=timed_out)  # fmt: skip
 
 
 def _write_entry(tmp: Path, module_file, function: str, kwargs) -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ WORKER = Path(__file__).parent / "_compat_worker.py"
 
 
 def _run(function: str) -> dict:
-    result = run_torchrun_function(WORKER, function, nproc=1, use_torchrun=False, timeout=120).check()
+    result = run_torchrun_function(WORKER, function, nproc=1, use_torchrun=False, timeout=120, fresh_interpreter=True).check()
     (observed,) = result.rank_results
     assert observed is not None, result.tail()
     return observed

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from torchrun_utils import run_module_forked
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
 PARITY_REWARD = Path(__file__).with_name("parity_reward.py")
@@ -66,6 +68,9 @@ def run_cli(*args: str, nproc: int = 1, timeout: float = 300, threads: int | Non
     if threads is None:
         threads = 1 if nproc > 1 else int(os.environ.get("OMP_NUM_THREADS", "2"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    forked = run_module_forked("megatron_dapo.cli", args, nproc, env, cwd=REPO, timeout=timeout)  # the launch's ranks, preloaded
+    if forked is not None:
+        return forked
     return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
