@@ -38,6 +38,12 @@ def test_tasks_that_finish_report_their_exit():
 # ---- ranks forked from the preloaded zygote (rank_zygote) -------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _zygote_launcher(monkeypatch, request):
+    if "forked" in request.node.name or "run_fresh" in request.node.name:
+        monkeypatch.setenv("TORCHRUN_TEST_LAUNCHER", "zygote")
+
+
 def test_forked_ranks_get_torchrun_environment():
     result = run_torchrun_function(WORKER, "environment", nproc=2, timeout=120).check()
     envs = [r["env"] for r in result.rank_results]

@@ -222,10 +222,18 @@ def run_torchrun_script(
     timeout: float = 300.0,
     env: Optional[dict[str, str]] = None,
     use_torchrun: bool = True,
+    preloaded: bool = False,
 ) -> TorchrunResult:
-    """Run `script` with `args` on `nproc` ranks; returns when all exit or `timeout` passes."""
+    """Run `script` with `args` on `nproc` ranks; returns when all exit or `timeout` passes.
+
+    `preloaded`: fork the ranks from the zygote, as `run_torchrun_function` does (not for scripts
+    that measure their own memory or imports)."""
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
-        result_dir = Path(tmp)
+        result_dir = Path(tmp) / "results"
+        result_dir.mkdir()
+        zygote = rank_zygote.shared_zygote(_child_env(None, None)) if preloaded and not env else None
+        if zygote is not None:
+            return _run_forked(zygote, Path(script).resolve(), nproc, use_torchrun, timeout, result_dir, Path(tmp), args=args)
         cmd = [*_launcher(nproc, use_torchrun), str(script), *map(str, args)]
         return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
 
@@ -314,7 +322,9 @@ def run_module_forked(
     return subprocess.CompletedProcess(cmd, returncode, streams["stdout"], streams["stderr"])
 
 
-def _run_forked(zygote, entry: Path, nproc: int, use_torchrun: bool, timeout: float, result_dir: Path, tmp: Path) -> TorchrunResult:
+def _run_forked(
+    zygote, entry: Path, nproc: int, use_torchrun: bool, timeout: float, result_dir: Path, tmp: Path, args: Sequence[str] = ()
+) -> TorchrunResult:
     if not use_torchrun and nproc != 1:
         raise ValueError("use_torchrun=False runs exactly one process")
     base = _child_env(result_dir, None)
@@ -322,7 +332,7 @@ def _run_forked(zygote, entry: Path, nproc: int, use_torchrun: bool, timeout: fl
     log_dir = tmp / "ranks"
     log_dir.mkdir()
     start = time.monotonic()
-    supervisor = zygote.launch(envs, log_dir, entry=str(entry))
+    supervisor = zygote.launch(envs, log_dir, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
     codes = rank_zygote.wait_for_exit(log_dir, supervisor, timeout)
     timed_out = codes is None
     if timed_out:

@@ -205,7 +205,7 @@ def spmd_results(require_vllm, tmp_path_factory):
         skip_or_fail("the SPMD test runs two ranks with one vLLM shard each and needs 2 CPUs")
     root = tmp_path_factory.mktemp("spmd_models")
     dirs = [str(_save_model(root / "untied", tied=False, seed=1)), str(_save_model(root / "tied", tied=True, seed=2))]
-    result = run_torchrun_script(WORKER, nproc=2, args=[json.dumps({"model_dirs": dirs})], timeout=840)
+    result = run_torchrun_script(WORKER, nproc=2, args=[json.dumps({"model_dirs": dirs})], timeout=840, preloaded=True)
     result.check()
     assert all(r is not None and "error" not in r for r in result.rank_results), result.tail()
     return result.rank_results

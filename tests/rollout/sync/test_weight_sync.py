@@ -60,7 +60,7 @@ MAX_LOGPROB_DIFF = 5e-5
 
 def _launch(model_dir: Path, engine: str, timeout: float, layouts=LAYOUTS, nproc: int = 4, engine_tp: int = 1):
     kwargs = {"model_dir": str(model_dir), "layouts": layouts, "engine_kind": engine, "bucket_mb": BUCKET_MB, "engine_tp": engine_tp}
-    return run_torchrun_script(WORKER, nproc=nproc, args=[json.dumps(kwargs)], timeout=timeout)
+    return run_torchrun_script(WORKER, nproc=nproc, args=[json.dumps(kwargs)], timeout=timeout, preloaded=True)
 
 
 def _rank_results(result):
