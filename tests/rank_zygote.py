@@ -199,10 +199,15 @@ class Zygote:
 
     def __init__(self, env: dict[str, str]):
         self._lock = threading.Lock()
+        import tempfile
+
+        # Its own output (import warnings, a traceback if it dies) goes to a file, not to the test that started it.
+        self.log_path = Path(tempfile.mkstemp(prefix="rank-zygote-", suffix=".log")[1])
+        self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
              "import rank_zygote; rank_zygote.serve()"],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
         )  # fmt: skip
         hello = json.loads(self._proc.stdout.readline() or '{"refused": "the zygote exited while importing"}')
         self.refused: Optional[str] = hello.get("refused")
@@ -220,7 +225,12 @@ class Zygote:
                 self._proc.stdin.flush()
                 return int(json.loads(self._proc.stdout.readline())["supervisor"])
             except (BrokenPipeError, ValueError) as error:
-                raise RuntimeError(f"the rank zygote is gone (exit status {self._proc.poll()})") from error
+                raise RuntimeError(f"the rank zygote is gone (exit status {self._proc.poll()}); {self.last_words()}") from error
+
+    def last_words(self) -> str:
+        """The end of the zygote's own output, to name why it died."""
+        self._log.flush()
+        return f"the end of its output ({self.log_path}):\n" + self.log_path.read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -243,7 +253,8 @@ def shared_zygote(env: dict[str, str]) -> Optional[Zygote]:
     with _zygote_lock:
         if _zygote is not None and _zygote._proc.poll() is not None:
             # It died (see docs/TEST_DURATIONS.md: once in a full run, cause unknown): say so, start another.
-            print(f"rank_zygote: the zygote exited with {_zygote._proc.returncode}; starting a new one", file=sys.stderr)
+            print(f"rank_zygote: the zygote exited with {_zygote._proc.returncode}; starting a new one; {_zygote.last_words()}",
+                  file=sys.stderr)  # fmt: skip
             _zygote = None
         if _zygote is None:
             import atexit

@@ -71,3 +71,18 @@ def test_a_module_run_forked_splits_streams_and_exits_as_the_command_would(tmp_p
 def test_a_variable_read_at_import_time_makes_the_command_run_fresh(tmp_path):
     env = {**_child_env(None, None), "TORCH_LOGS": "dynamo"}
     assert run_module_forked("_harness_worker", ["0"], nproc=1, env=env, cwd=tmp_path, timeout=120) is None
+
+
+def test_a_dead_zygote_is_named_and_replaced(monkeypatch, tmp_path):
+    import rank_zygote
+
+    monkeypatch.setenv("TORCHRUN_TEST_LAUNCHER", "zygote")
+    env = _child_env(None, None)
+    first = rank_zygote.shared_zygote(env)
+    first._proc.kill()
+    first._proc.wait()
+    with pytest.raises(RuntimeError, match=r"zygote is gone \(exit status -9\); the end of its output"):
+        first.launch([env], tmp_path, entry=str(WORKER))
+    second = rank_zygote.shared_zygote(env)
+    assert second is not first and second._proc.poll() is None
+    assert run_torchrun_function(WORKER, "finish", nproc=1, use_torchrun=False, timeout=120).check().rank_results == [{"done": True}]
