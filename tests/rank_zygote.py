@@ -10,12 +10,14 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT in its environment, `python entry.py`'s sys
 handlers run) less the teardown of the preloaded modules. As under torchrun, one failing rank
 stops the others (SIGTERM, then SIGKILL) and the launch exits 1.
 
-Used by `torchrun_utils.run_torchrun_function` (and the trainer CLI runs of tests/trainer) with
-`TORCHRUN_TEST_LAUNCHER=zygote`; off by default: in its one full-suite run (docs/TEST_DURATIONS.md) one
-worker's zygote died part-way, for a reason not found yet, and every later launch of that worker
-failed. A dead zygote is now replaced at the next launch. The trainer CLI, script and SLURM launches always use the
-real launchers. The zygote refuses to serve (and launches fall back to torchrun) if its imports
-started a thread, since forking a multi-threaded process is unsafe.
+Opt-in with `TORCHRUN_TEST_LAUNCHER=zygote`: then `torchrun_utils.run_torchrun_function`, the
+scripts launched with `preloaded=True` and the trainer tests' CLI runs (`run_module_forked`) fork
+their ranks from it; the SLURM-style launches and every other command use the real launchers. Off
+by default: in its one full-suite run (docs/TEST_DURATIONS.md) one worker's zygote died part-way,
+for a reason not found yet, and every later launch of that worker failed. A dead zygote is
+replaced at the next launch, and the end of its own output (a file) is quoted. The zygote refuses
+to serve (launches then fall back to torchrun) if its imports started a thread, since forking a
+multi-threaded process is unsafe.
 
 Protocol, one JSON line each way over the zygote's stdin/stdout:
     request  {"entry": path or "module": name, "args": [...], "cwd": dir, "envs": [env of rank 0, ...],
@@ -49,6 +51,8 @@ PRELOAD = (
     "megatron_dapo.distributed",
 )
 LAUNCHER_ENV = "TORCHRUN_TEST_LAUNCHER"
+STACKS_GRACE_S = 5.0
+"""After a timeout, how long the ranks get to print their stacks (SIGABRT) before SIGKILL."""
 STOP_GRACE_S = 10.0
 """After one rank fails, how long the others get to exit on SIGTERM before SIGKILL (torchrun: 30 s)."""
 
@@ -116,14 +120,14 @@ def _exit(code: int) -> None:
 def _supervise(ranks: Sequence[int], log_dir: Path) -> None:
     """In the supervisor: wait for every rank; when one fails, stop the rest as torchrun does."""
     codes: dict[int, int] = {}
-    failed_at: Optional[float] = None
+    stopping = False
     while len(codes) < len(ranks):
         pid, status = os.waitpid(-1, 0)
         if pid not in ranks:
             continue
         codes[pid] = os.waitstatus_to_exitcode(status)
-        if codes[pid] != 0 and failed_at is None:
-            failed_at = time.monotonic()
+        if codes[pid] != 0 and not stopping:
+            stopping = True
             for other in ranks:
                 if other not in codes:
                     _signal(other, signal.SIGTERM)
@@ -239,6 +243,18 @@ class Zygote:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
+
+    def run(self, envs: Sequence[dict[str, str]], log_dir: Path, timeout: float, **command) -> Optional[list[int]]:
+        """`launch` and wait: the ranks' exit codes, or None if `timeout` passed (the ranks were
+        then stopped with their stacks printed, see `stop_group`)."""
+        supervisor = self.launch(envs, log_dir, **command)
+        codes = wait_for_exit(log_dir, supervisor, timeout)
+        if codes is None:
+            stop_group(supervisor, STACKS_GRACE_S)
+            wait_for_exit(log_dir, supervisor, 5.0)
+        return codes
 
 
 _zygote: Optional[Zygote] = None

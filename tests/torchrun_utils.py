@@ -183,7 +183,7 @@ def _log_launch(cmd: Sequence[str], nproc: int, seconds: float) -> None:
             f.write(json.dumps(line) + "\n")
 
 
-HANG_STACKS_GRACE_S = 5.0
+HANG_STACKS_GRACE_S = rank_zygote.STACKS_GRACE_S
 
 
 def _stop_process_groups(procs: Sequence[subprocess.Popen]) -> None:
@@ -265,10 +265,10 @@ def run_torchrun_function(
 ) -> TorchrunResult:
     """Call `function(**kwargs)` from the Python file `module_file` on `nproc` ranks.
 
-    The ranks are forked from this process's zygote (`rank_zygote`: the libraries already imported,
-    torchrun's environment), unless `env` is given (it might be read at import time),
-    `fresh_interpreter` (a test of what gets imported) or TORCHRUN_TEST_LAUNCHER=torchrun: then
-    torchrun (or `python`) starts them.
+    With TORCHRUN_TEST_LAUNCHER=zygote the ranks are forked from this process's zygote
+    (`rank_zygote`: the libraries already imported, torchrun's environment), unless `env` is given
+    (it might be read at import time) or `fresh_interpreter` (a test of what gets imported);
+    otherwise torchrun (or `python`) starts them.
     """
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
         result_dir, entry = _write_entry(Path(tmp), module_file, function, kwargs)
@@ -304,11 +304,7 @@ def run_module_forked(
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         log_dir = Path(tmp)
         start = time.monotonic()
-        supervisor = zygote.launch(envs, log_dir, module=module, args=args, cwd=str(cwd), split_streams=True)
-        codes = rank_zygote.wait_for_exit(log_dir, supervisor, timeout)
-        if codes is None:
-            rank_zygote.stop_group(supervisor, HANG_STACKS_GRACE_S)
-            rank_zygote.wait_for_exit(log_dir, supervisor, 5.0)
+        codes = zygote.run(envs, log_dir, timeout, module=module, args=args, cwd=str(cwd), split_streams=True)
         streams = {
             name: "".join((log_dir / f"rank{rank}.{name}").read_text(errors="replace")
                           for rank in range(nproc) if (log_dir / f"rank{rank}.{name}").exists())
@@ -332,12 +328,9 @@ def _run_forked(
     log_dir = tmp / "ranks"
     log_dir.mkdir()
     start = time.monotonic()
-    supervisor = zygote.launch(envs, log_dir, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
-    codes = rank_zygote.wait_for_exit(log_dir, supervisor, timeout)
+    codes = zygote.run(envs, log_dir, timeout, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
     timed_out = codes is None
-    if timed_out:
-        rank_zygote.stop_group(supervisor, HANG_STACKS_GRACE_S)
-        codes = rank_zygote.wait_for_exit(log_dir, supervisor, 5.0) or [-signal.SIGKILL]
+    codes = codes or [-signal.SIGKILL] * nproc
     seconds = time.monotonic() - start
     _log_launch(["zygote", str(entry)], nproc, seconds)
     logs = []
