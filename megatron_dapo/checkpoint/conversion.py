@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -58,6 +57,7 @@ from megatron_dapo.checkpoint.layout import (
 from megatron_dapo.checkpoint.streaming import ChunkTargets, LazyChunk, LazyChunkedTensor, read_chunks, write_streaming
 from megatron_dapo.checkpoint.template import checkpoint_template
 from megatron_dapo.checkpoint.torch_dist import stored_entries
+from megatron_dapo.compat.megatron_core import store_common_state
 from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
 from megatron_dapo.distributed.layout import experts_per_rank
 from megatron_dapo.errors import InputError, StopError
@@ -382,6 +382,7 @@ def convert_hf_to_megatron(
 
         dist_dir = output / DIST_DIR
         dist_dir.mkdir()
+        store_common_state({}, dist_dir, state)  # a model alone has no common state; Megatron needs it there
         try:
             write_streaming(state, dist_dir)
         finally:
@@ -389,7 +390,6 @@ def convert_hf_to_megatron(
             cache["tensor"] = None
             bar.update(bar.total - bar.n)
             bar.close()
-        TorchCommonSaveStrategy("torch", 1).save_common({}, dist_dir)
         save_config(CheckpointingConfig("torch_dist", 1), str(dist_dir))
 
         copied = copy_hf_side_files(hf_dir, output / HF_DIR)

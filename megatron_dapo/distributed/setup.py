@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megatron_dapo.compat.versions import require
 from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
 from megatron_dapo.distributed.launch import LaunchEnv, find_free_port, resolve_launch_env
 from megatron_dapo.distributed.layout import ParallelLayout, validate_expert_parallel
@@ -131,6 +132,9 @@ def init_distributed(
     tensor-parallel RNG tracker.
     """
     cpu_compat = enable_cpu_compat()  # before Megatron is imported below
+    # The start-up check: a Megatron-Core outside the tested range, or without an API the package
+    # calls, stops here with its version, the tested ones and a pip command, not minutes later.
+    require("megatron-core")
 
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron's parallel state is already initialised in this process: call teardown() first")

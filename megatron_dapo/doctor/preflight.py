@@ -77,7 +77,7 @@ from megatron_dapo.doctor.checks import (
     _ranges,
     ENGINE_DISTRIBUTIONS,
 )
-from megatron_dapo.doctor.versions import MEGATRON_CORE, TRANSFORMER_ENGINE, probe
+from megatron_dapo.compat.versions import MEGATRON_CORE, TRANSFORMER_ENGINE, probe
 from megatron_dapo.errors import InputError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "DoctorOptions", "LaunchEnvironmentError", "RankReport", "format_table", "merge", "run_doctor"]

@@ -45,20 +45,37 @@ class _FakeGroup:
         return self._rank
 
 
-def test_split_matches_megatron_get_batch_on_this_cp_rank(tmp_path):
+def _megatron_cp_split(monkeypatch):
+    """Megatron's own CP split for a fake group of (size, rank), called as the installed release takes it:
+    `(batch, cp_group)` up to 0.17, `(batch, is_hybrid_cp, cp_group=...)` from 0.18 on, where the group's
+    size and rank are read through torch.distributed (answered for the fake group here)."""
+    import inspect
+
+    import torch.distributed as dist
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    if "is_hybrid_cp" not in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return lambda batch, group: get_batch_on_this_cp_rank(batch, group)
+    for name, method in (("get_world_size", "size"), ("get_rank", "rank")):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda group=None, _real=real, _m=method: getattr(group, _m)() if isinstance(group, _FakeGroup) else _real(group))  # fmt: skip
+    return lambda batch, group: get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+
+
+def test_split_matches_megatron_get_batch_on_this_cp_rank(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     created = not dist.is_initialized()
     if created:  # Megatron reads the group's size/rank only once torch.distributed is up
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
+        megatron_split = _megatron_cp_split(monkeypatch)
         tokens = torch.arange(2 * 24).view(2, 24)
         for cp in (2, 3):
             for rank in range(cp):
                 ours = split_for_cp_rank(tokens, 1, cp, rank)
-                theirs = get_batch_on_this_cp_rank({"tokens": tokens.clone()}, _FakeGroup(cp, rank))["tokens"]
+                theirs = megatron_split({"tokens": tokens.clone()}, _FakeGroup(cp, rank))["tokens"]
+                assert theirs.shape[1] == 24 // cp  # Megatron did split (a whole batch back means the call was wrong)
                 assert torch.equal(ours, theirs)
     finally:
         if created:

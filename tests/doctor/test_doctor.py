@@ -26,7 +26,7 @@ from megatron_dapo.doctor.checks import (
     TorchFacts,
 )
 from megatron_dapo.distributed.socket_interfaces import choose_interface, nccl_interface_matches
-from megatron_dapo.doctor.versions import TRANSFORMER_ENGINE, probe
+from megatron_dapo.compat.versions import TRANSFORMER_ENGINE, probe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_32B = str(REPO_ROOT / "configs" / "dapo_qwen2.5_32b.yaml")
@@ -267,7 +267,7 @@ def test_flash_attention_with_the_import_error():
 
 
 def test_engine_rows():
-    from megatron_dapo.doctor.versions import Report, SGLANG, VLLM
+    from megatron_dapo.compat.versions import Report, SGLANG, VLLM
 
     used = checks.check_engine("vllm", "vllm", Report(VLLM, version="0.32.0"), "0.32.0")
     assert used.status == PASS and "vllm>=0.32,<0.33" in used.detail

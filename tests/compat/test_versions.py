@@ -14,9 +14,10 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
-from megatron_dapo.doctor import versions
-from megatron_dapo.doctor.versions import (
+from megatron_dapo.compat import versions
+from megatron_dapo.compat.versions import (
     ALLOW_UNTESTED_ENV,
     MEGATRON_CORE,
     SGLANG,
@@ -29,7 +30,7 @@ from megatron_dapo.doctor.versions import (
     require,
 )
 
-PACKAGE = Path(versions.__file__).resolve().parents[1]
+PACKAGE = Path(versions.__file__).resolve().parents[1]  # megatron_dapo/
 
 
 # ---- ranges ----------------------------------------------------------------------------------
@@ -335,4 +336,123 @@ def test_every_library_import_of_the_package_is_probed():
     assert ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload") in imports  # the scan sees them
     assert ("megatron.core", "parallel_state") in imports
     uncovered = sorted(f"{module}:{name}" for module, name in imports if not _covered(module, name))
-    assert not uncovered, f"add a Probe to megatron_dapo/doctor/versions.py for: {uncovered}"
+    assert not uncovered, f"add a Probe to megatron_dapo/compat/versions.py for: {uncovered}"
+
+
+# ---- every Megatron-Core call of the package is probed: attributes and keyword arguments --------
+
+
+def _megatron_uses() -> tuple[set[tuple[str, str]], set[tuple[str, str, str]]]:
+    """What the package reaches through names it imported from megatron.core:
+    (module, attribute) for every `name.attribute` where `name` is an imported module or class, and
+    (module, callee, keyword) for every keyword argument of a call to an imported name or to one of
+    its attributes (callee "" for the imported name itself, e.g. `GPTModel(config=...)`)."""
+    attributes, keywords = set(), set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "compat" and path.name == "versions.py":
+            continue
+        tree = ast.parse(path.read_text())
+        imported: dict[str, str] = {}  # local name -> dotted path in megatron.core
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("megatron.core"):
+                imported.update((alias.asname or alias.name, f"{node.module}.{alias.name}") for alias in node.names)
+        optional = {  # `hasattr(moe_utils, "te_general_gemm")`: the code copes without it
+            (node.args[0].id, node.args[1].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr"
+            and len(node.args) == 2 and isinstance(node.args[0], ast.Name) and isinstance(node.args[1], ast.Constant)
+        }  # fmt: skip
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
+                if (node.value.id, node.attr) not in optional:
+                    attributes.add((imported[node.value.id], node.attr))
+            if isinstance(node, ast.Call) and any(k.arg for k in node.keywords):
+                function = node.func
+                if isinstance(function, ast.Name) and function.id in imported:
+                    callee = (imported[function.id], "")
+                elif isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name) and function.value.id in imported:
+                    callee = (imported[function.value.id], function.attr)
+                else:
+                    continue
+                keywords.update((*callee, k.arg) for k in node.keywords if k.arg)
+    return attributes, keywords
+
+
+def _probes_of(path: str) -> list[Probe]:
+    """The probes that check `path` (a dotted path in megatron.core) or an attribute of it."""
+    found = []
+    for item in MEGATRON_CORE.probes:
+        if item.absent:
+            continue
+        if item.name == path or (not item.attribute and item.module == path):
+            found.append(item)
+    return found
+
+
+def _attribute_covered(path: str, attribute: str) -> bool:
+    if any(attribute in item.fields for item in _probes_of(path)):
+        return True
+    module, _, owner = path.rpartition(".")
+    return any(item.name == f"{path}.{attribute}" for item in MEGATRON_CORE.probes) or any(
+        item.module == path and item.attribute.split(".")[0] == attribute for item in MEGATRON_CORE.probes
+    )
+
+
+def _keyword_covered(path: str, callee: str, keyword: str) -> bool:
+    target = f"{path}.{callee}" if callee else path
+    candidates = [item for item in MEGATRON_CORE.probes if item.name == target]
+    module, _, name = target.rpartition(".")
+    candidates += [item for item in MEGATRON_CORE.probes if item.module == module and item.attribute == name]
+    return any(keyword in item.parameters or keyword in item.fields for item in candidates)  # a dataclass: its fields
+
+
+def test_every_megatron_attribute_and_keyword_the_package_uses_is_probed():
+    """A release that renames `parallel_state.get_x` or drops a keyword (0.18 changed
+    get_batch_on_this_cp_rank's parameters) fails the doctor and the start-up check, not a job."""
+    attributes, keywords = _megatron_uses()
+    assert ("megatron.core.parallel_state", "initialize_model_parallel") in attributes  # the scan sees them
+    assert ("megatron.core.parallel_state", "initialize_model_parallel", "context_parallel_size") in keywords
+    uncovered = sorted(f"{path}.{attribute}" for path, attribute in attributes if not _attribute_covered(path, attribute))
+    uncovered += sorted(
+        f"{path}{'.' + callee if callee else ''}({keyword}=)" for path, callee, keyword in keywords
+        if not _keyword_covered(path, callee, keyword)
+    )
+    assert not uncovered, f"add these to the Probes in megatron_dapo/compat/versions.py: {uncovered}"
+
+
+def test_the_megatron_scan_can_fail():
+    """The coverage check reports a keyword no probe lists (a mutation of the real probes)."""
+    assert not _keyword_covered("megatron.core.parallel_state", "initialize_model_parallel", "no_such_keyword")
+    assert not _attribute_covered("megatron.core.parallel_state", "no_such_function")
+
+
+def test_every_transformer_config_field_the_builder_sets_is_probed(tmp_path):
+    """build_transformer_config passes TransformerConfig(**kwargs): the scan cannot see those keys."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dapo.compat.versions import TRANSFORMER_CONFIG_FIELDS
+    from megatron_dapo.distributed.layout import ParallelLayout
+    from megatron_dapo.model import builder
+    from megatron_dapo.model.hf_config import read_hf_config
+    from tiny_models import save_tiny_model
+
+    seen: set[str] = set()
+    real = builder.TransformerConfig
+
+    class Recording(real):  # still a dataclass: the builder reads its fields
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            super().__init__(**kwargs)
+
+    optional = {"cuda_graph_scope", "transformer_impl", "moe_enable_routing_replay"}
+    try:
+        builder.TransformerConfig = Recording
+        for arch in ("qwen2", "qwen3_moe", "qwen2_moe"):
+            cfg = read_hf_config(save_tiny_model(arch, tmp_path / arch))
+            builder.build_transformer_config(cfg, ParallelLayout(), torch.float32, recompute_activations=True)
+    finally:
+        builder.TransformerConfig = real
+    assert {"num_moe_experts", "moe_shared_expert_gate", "recompute_granularity"} <= seen  # MoE and recompute were built
+    assert not (seen - optional) - set(TRANSFORMER_CONFIG_FIELDS), "add them to TRANSFORMER_CONFIG_FIELDS"
+    assert set(TRANSFORMER_CONFIG_FIELDS) <= {f.name for f in dataclasses.fields(TransformerConfig)}

@@ -30,6 +30,7 @@ import importlib
 import inspect
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -265,15 +266,44 @@ SGLANG = Requirement(
 
 _DIST_CKPT = "megatron.core.dist_checkpointing"
 
+TRANSFORMER_CONFIG_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "hidden_dropout", "attention_dropout", "attention_softmax_in_fp32",
+    "apply_query_key_layer_scaling", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+    "persist_layer_norm", "apply_rope_fusion", "gradient_accumulation_fusion", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "context_parallel_size",
+    "sequence_parallel", "pipeline_dtype", "use_cpu_initialization", "perform_initialization", "params_dtype", "bf16",
+    "fp16", "recompute_granularity", "recompute_method", "recompute_num_layers", "num_moe_experts",
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_grouped_gemm", "moe_token_dispatcher_type",
+    "expert_model_parallel_size", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+)  # fmt: skip
+"""The TransformerConfig fields model/builder.py sets in every release (the optional ones it sets only
+where they exist: cuda_graph_scope, transformer_impl, moe_enable_routing_replay, probed on their own)."""
+
+MEGATRON_CORE_TESTED_RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+"""Every Megatron-Core release the tests ran on (see MEGATRON_CORE's comment for which tests)."""
+
+
+def megatron_core_install(python: tuple[int, int] = sys.version_info[:2]) -> str:
+    """A pip command that installs a tested Megatron-Core on `python`: pip's newest release for
+    Python 3.11 is 0.16.x (0.17 onwards ship wheels for 3.12 and later only)."""
+    release = "0.19.2" if python >= (3, 12) else "0.16.1"
+    return f"pip install 'megatron-core=={release}'"
+
+
 MEGATRON_CORE = Requirement(
     package="megatron-core",
     module="megatron.core",
     title="Megatron-Core",
-    # 0.16.1 runs in the test suite (Python 3.11); the code paths the actor and checkpoints rely on
-    # were read in the core_r0.19.0 branch too (Python 3.12 clusters), see actor/optim.py.
+    # CI runs the whole suite on 0.16.1 (Python 3.11, pip's newest there) and the numerics on 0.19.2
+    # (Python 3.12, what clusters run); `make test-megatron-range` runs the fast tier and the
+    # conversion / checkpoint / CP / EP launch tests on 0.17.1 and 0.18.2. Where the releases differ,
+    # megatron_dapo/compat/megatron_core.py decides.
     tested=VersionRange("0.16", "0.20"),
-    tested_with="megatron-core 0.16.1 (tests), core_r0.19.0 (source)",
-    install="pip install 'megatron-core>=0.16,<0.20'",
+    tested_with="megatron-core " + ", ".join(MEGATRON_CORE_TESTED_RELEASES),
+    install=megatron_core_install(),
     version_modules=("megatron.core.package_info",),
     probes=(
         Probe(
@@ -289,8 +319,56 @@ MEGATRON_CORE = Requirement(
                 "get_pipeline_model_parallel_world_size",
                 "get_data_parallel_world_size",
                 "get_context_parallel_world_size",
+                "get_context_parallel_group",
+                "get_context_parallel_rank",
+                "get_data_parallel_group",
+                "get_data_parallel_rank",
+                "get_model_parallel_group",
+                "get_pipeline_model_parallel_group",
+                "get_pipeline_model_parallel_last_rank",
+                "get_tensor_and_context_parallel_group",
+                "get_tensor_and_context_parallel_world_size",
+                "is_pipeline_last_stage",
             ),
         ),
+        # Keyword arguments the package passes (distributed/setup.py, actor/, model/): a release that
+        # renames one fails here, in the doctor and at start-up, not inside the first step.
+        Probe("megatron.core.parallel_state", "initialize_model_parallel", parameters=(
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size", "distributed_timeout_minutes")),  # fmt: skip
+        Probe("megatron.core.parallel_state", "get_data_parallel_group", parameters=("with_context_parallel",)),
+        Probe("megatron.core.parallel_state", "get_tensor_model_parallel_group", parameters=("check_initialized",)),
+        Probe("megatron.core.parallel_state", "is_pipeline_last_stage", parameters=("ignore_virtual",)),
+        Probe("megatron.core.tensor_parallel", "get_cuda_rng_tracker"),
+        Probe("megatron.core.transformer.enums", "AttnMaskType", fields=("causal",)),
+        Probe("megatron.core.models.gpt", "GPTModel", parameters=(
+            "config", "transformer_layer_spec", "vocab_size", "max_sequence_length", "pre_process", "post_process",
+            "parallel_output", "share_embeddings_and_output_weights", "position_embedding_type", "rotary_percent",
+            "rotary_base", "rope_scaling", "rope_scaling_factor", "vp_stage")),  # fmt: skip
+        Probe("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec",
+              parameters=("num_experts", "qk_layernorm", "normalization")),  # fmt: skip
+        Probe("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_with_transformer_engine_spec",
+              parameters=("num_experts", "moe_grouped_gemm", "qk_layernorm")),  # fmt: skip
+        Probe("megatron.core.transformer.transformer_block", "TransformerBlockSubmodules", fields=("layer_specs", "layer_norm")),
+        Probe("megatron.core.transformer.transformer_block", "get_num_layers_to_build", parameters=("vp_stage",)),
+        # model/builder.py: build_transformer_config's fields (TransformerConfig(**kwargs); a test
+        # builds a dense and an MoE config and checks every key it passes is listed here).
+        Probe("megatron.core.transformer.transformer_config", "TransformerConfig", fields=TRANSFORMER_CONFIG_FIELDS),
+        Probe("megatron.core.packed_seq_params", "PackedSeqParams", fields=(
+            "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+            "max_seqlen_q", "max_seqlen_kv")),  # fmt: skip
+        Probe("megatron.core.distributed", "DistributedDataParallel", parameters=("disable_bucketing",)),
+        Probe("megatron.core.distributed", "DistributedDataParallelConfig", fields=(
+            "grad_reduce_in_fp32", "overlap_grad_reduce", "use_distributed_optimizer", "average_in_collective")),  # fmt: skip
+        Probe("megatron.core.optimizer", "OptimizerConfig", fields=(
+            "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16",
+            "fp16", "params_dtype", "use_distributed_optimizer")),  # fmt: skip
+        Probe("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler", parameters=(
+            "init_lr", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
+            "wd_incr_steps", "wd_incr_style")),  # fmt: skip
+        Probe("megatron.core.dist_checkpointing", "save", parameters=("sharded_strategy",)),
+        Probe("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlanner", parameters=(
+            "dedup_replicated_tensors", "flatten_state_dict", "can_run_decentralized_global_plan")),  # fmt: skip
         Probe("megatron.core.package_info", "__version__"),
         Probe("megatron.core", "tensor_parallel"),
         Probe("megatron.core", "dist_checkpointing"),
@@ -363,7 +441,6 @@ MEGATRON_CORE = Requirement(
             Probe(f"{_DIST_CKPT}.mapping", name)
             for name in ("LocalNonpersistentObject", "ShardedObject", "ShardedTensor", "ShardedTensorFactory", "apply_factories")
         ),
-        Probe(f"{_DIST_CKPT}.strategies.common", "TorchCommonSaveStrategy"),
         *(
             Probe(f"{_DIST_CKPT}.strategies.torch", name)
             for name in (
@@ -445,11 +522,32 @@ class Report:
         text = f"{have}; megatron-dapo needs {req.package}{req.tested} (tested: {req.tested_with})"
         problems = self.problems
         if problems:
-            text += ": " + "; ".join(problems)
+            if self.installed and self.in_range and self.missing:
+                # In range yet an API is gone: an untested release of the range, or a damaged install.
+                untested = not any(_same_release(self.version, tested) for tested in _versions_in(req.tested_with))
+                text += f": {self.version} is in the range but " + ("was not tested and " if untested else "")
+                text += "lacks what megatron-dapo calls: " + "; ".join(problems)
+            else:
+                text += ": " + "; ".join(problems)
             text += f". Fix: {req.install}"
+            if self.installed and _same_release(self.version, _versions_in(req.install)[:1] or [""]):
+                text += " --force-reinstall"  # the release the fix names is the one installed: a damaged install
             if self.installed and self.in_range is False and not self.missing:
                 text += f", or set {ALLOW_UNTESTED_ENV}=1 to try this version anyway"
         return text
+
+
+def _versions_in(text: str) -> list[str]:
+    """The exact versions a text names ("megatron-core 0.16.1, 0.19.2" -> ["0.16.1", "0.19.2"])."""
+    return re.findall(r"(?<![\w.])\d+\.\d+\.\d+(?![\w.])", text)
+
+
+def _same_release(version: Optional[str], other) -> bool:
+    others = [other] if isinstance(other, str) else list(other)
+    try:
+        return any(o and release(version or "") == release(o) for o in others)
+    except ValueError:
+        return False
 
 
 def _safe_contains(tested: VersionRange, version: str) -> bool:
