@@ -54,8 +54,33 @@ def _launches(item) -> bool:
     return _module_launches[path]
 
 
+# The second stack of `make test` (Python 3.12 + megatron-core 0.19.x, what clusters run) runs the
+# fast tier and these launch files: every numerical comparison against an independent reference
+# that a Megatron-Core or Python release could break (conversion round trips, HF logits at every
+# layout, TP/PP/CP/EP equalities, resume equal to an uninterrupted run, the engines' log-probs
+# against HF, weight sync). `pytest -m "not launch or second_stack"` selects them.
+SECOND_STACK_FILES = (
+    "checkpoint/test_convert_roundtrip.py",
+    "checkpoint/test_convert_moe.py",
+    "checkpoint/test_convert_cli.py",
+    "checkpoint/test_checkpoint_resume.py",
+    "checkpoint/test_checkpoint_damage.py",
+    "model/test_megatron_vs_hf.py",
+    "model/test_moe_vs_hf.py",
+    "distributed/test_context_parallel_dist.py",
+    "distributed/test_init_distributed.py",
+    "actor/test_actor_parallel.py",
+    "actor/test_moe_update.py",
+    "trainer/test_output_dir.py",
+    "rollout/engines/test_vllm_engine.py",
+    "rollout/engines/test_sglang_engine.py",
+    "rollout/sync/test_check_sync.py",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "launch: starts a real engine, a SLURM job or other processes (not in `make test-fast`)")
+    config.addinivalue_line("markers", "second_stack: a launch test `make test` also runs on its second stack (SECOND_STACK_FILES)")
 
 
 # The longest files first (docs/TEST_DURATIONS.md), each kept whole and in its own order: `make test`
@@ -86,9 +111,13 @@ LONGEST_FIRST = (
 )
 
 
-def _start_rank(item) -> int:
+def _relative(item) -> str:
     path = Path(item.path).resolve()
-    relative = path.relative_to(TESTS_DIR).as_posix() if path.is_relative_to(TESTS_DIR) else ""
+    return path.relative_to(TESTS_DIR).as_posix() if path.is_relative_to(TESTS_DIR) else ""
+
+
+def _start_rank(item) -> int:
+    relative = _relative(item)
     return LONGEST_FIRST.index(relative) if relative in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
@@ -96,6 +125,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _launches(item):
             item.add_marker(pytest.mark.launch)
+        if _relative(item) in SECOND_STACK_FILES:
+            item.add_marker(pytest.mark.second_stack)
     items.sort(key=_start_rank)  # stable: every file keeps its own order
 
 

@@ -402,10 +402,24 @@ def test_two_ranks_meet_over_gloo(tmp_path):
 
 
 def test_a_bad_interface_fails_every_rank(tmp_path):
-    result = _run_under_torchrun(
-        tmp_path, ["--config", str(REPO_ROOT / "configs" / "tiny_cpu.yaml"), "--timeout-s", "30"], env={"GLOO_SOCKET_IFNAME": "nosuchif0"}
-    )
-    assert result.returncode == 1, result.tail()
-    out = result.output
-    assert out.count("could not meet the others") == 2, out  # each rank reports alone
-    assert "nosuchif0 does not exist on this node" in out and "could not join the 2 ranks" in out
+    """Each rank reports alone. The two ranks are started as `srun` starts tasks (SLURM's default: no
+    task is killed when another fails): under torchrun, the agent kills the other worker as soon as
+    the first exits, and under load one rank was killed before it had printed its report."""
+    import subprocess
+    import sys
+
+    from torchrun_utils import _child_env, free_port
+
+    env = _child_env(None, {"GLOO_SOCKET_IFNAME": "nosuchif0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
+                            "SLURM_JOB_ID": "4243", "MASTER_PORT": str(free_port())})  # fmt: skip
+    command = [sys.executable, "-m", "megatron_dapo.cli", "doctor", "--config", str(REPO_ROOT / "configs" / "tiny_cpu.yaml"), "--timeout-s", "30"]
+    tasks = [
+        subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=tmp_path)  # fmt: skip
+        for task in range(2)
+    ]
+    outputs = [task.communicate(timeout=400)[0] for task in tasks]
+    for rank, (task, out) in enumerate(zip(tasks, outputs)):
+        assert task.returncode == 1, out
+        assert out.count("could not meet the others") == 1 and f"rank {rank} alone" in out, out  # each rank reports alone
+        assert "nosuchif0 does not exist on this node" in out and "could not join the 2 ranks" in out, out

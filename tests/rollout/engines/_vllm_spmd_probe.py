@@ -123,6 +123,10 @@ def shm_job(model_dir: str, seed: int) -> None:
         os.environ["VLLM_DIST_IDENT"] = prefix or ""
         out["group_name"] = _CPUSHMDistributed.make_group_name(communicator)  # vLLM's own naming
         del os.environ["VLLM_DIST_IDENT"]
+        # Each rank unlinks its own segment once the others have opened it, inside its engine start:
+        # look only when every rank of the job has finished starting (under load, rank 0 used to look
+        # before rank 1 had unlinked, and saw a segment that was about to go).
+        dist.barrier()
         out["left_after_start"] = sorted(n for n in os.listdir("/dev/shm") if prefix and n.startswith(prefix))
         result = engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=seed))
         out["responses"] = result.response_ids
