@@ -4,6 +4,9 @@ says where it hung; ranks forked from the preloaded zygote behave as torchrun's.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +89,33 @@ def test_a_dead_zygote_is_named_and_replaced(monkeypatch, tmp_path):
     second = rank_zygote.shared_zygote(env)
     assert second is not first and second._proc.poll() is None
     assert run_torchrun_function(WORKER, "finish", nproc=1, use_torchrun=False, timeout=120).check().rank_results == [{"done": True}]
+
+
+def test_launch_slots_bound_the_launches_of_every_worker(tmp_path, monkeypatch):
+    """Two slots: a third launch waits until one ends, whichever process or thread holds them; a
+    thread that holds one takes none more (nested launches do not wait on themselves)."""
+    import threading
+    import time
+
+    from torchrun_utils import LAUNCH_SLOTS_ENV, launch_slot
+
+    monkeypatch.setenv(LAUNCH_SLOTS_ENV, "2")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    holder = subprocess.Popen(  # another pytest worker holding one slot
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); from torchrun_utils import launch_slot\n"
+         "with launch_slot():\n    print('held', flush=True); time.sleep(3)", str(Path(__file__).parent)],
+        env={**os.environ, LAUNCH_SLOTS_ENV: "2", "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    entered: list[float] = []
+    with launch_slot():  # the second slot
+        with launch_slot():  # nested: no wait, no third slot
+            pass
+        start = time.monotonic()
+        waiter = threading.Thread(target=lambda: launch_slot().__enter__() or entered.append(time.monotonic() - start))
+        waiter.start()
+        time.sleep(0.5)
+        assert entered == []  # both slots are taken
+    waiter.join(timeout=10)
+    assert entered and entered[0] < 2.5  # it got ours when we left, not the other process's
+    holder.wait(timeout=10)

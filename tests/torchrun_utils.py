@@ -29,7 +29,9 @@ Conventions:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import threading
 import os
 import signal
 import socket
@@ -50,6 +52,7 @@ __all__ = [
     "RESULT_DIR_ENV",
     "TorchrunResult",
     "free_port",
+    "launch_slot",
     "read_rank_results",
     "run_slurm_function",
     "run_torchrun_function",
@@ -61,6 +64,53 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = REPO_ROOT / "tests"
 RESULT_DIR_ENV = "TORCHRUN_TEST_RESULT_DIR"
+
+# ---- how many launches run at once on this machine ---------------------------------------------
+LAUNCH_SLOTS_ENV = "TEST_LAUNCH_SLOTS"
+"""How many launches (torchrun jobs, SLURM-style tasks, trainer CLI runs) may run at once on this
+machine, over every pytest worker together; default: the number of cores."""
+_SLOT_HELD_ENV = "TEST_LAUNCH_SLOT_HELD"
+_held = threading.local()
+
+
+def launch_slots() -> int:
+    return max(1, int(os.environ.get(LAUNCH_SLOTS_ENV) or os.cpu_count() or 2))
+
+
+@contextlib.contextmanager
+def launch_slot():
+    """Hold one of the machine's launch slots while a launch runs (waits for a free one).
+
+    `make test` runs two test files at a time and some files start two launches at a time; without a
+    bound, four launches with their ranks, engines and reward pools shared 2 cores (load average 25
+    in a CI run), and a rendezvous or a listing made under that load failed by chance. The slots are
+    file locks in the temporary directory, so every pytest worker of the machine shares them; a
+    thread that holds one, or a process launched under one, takes no second (no nested wait)."""
+    if getattr(_held, "slot", False) or os.environ.get(_SLOT_HELD_ENV):
+        yield
+        return
+    directory = Path(tempfile.gettempdir()) / f"megatron_dapo_test_launch_slots_{os.getuid()}"
+    directory.mkdir(exist_ok=True)
+    handle = None
+    while handle is None:
+        for index in range(launch_slots()):
+            candidate = open(directory / f"slot{index}", "a+")
+            try:
+                fcntl.flock(candidate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                candidate.close()
+                continue
+            handle = candidate
+            break
+        else:
+            time.sleep(0.2)
+    _held.slot = True
+    try:
+        yield
+    finally:
+        _held.slot = False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def free_port() -> int:
@@ -138,6 +188,7 @@ def _child_env(result_dir: Optional[Path], extra: Optional[dict[str, str]]) -> d
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # a hung rank stopped with SIGABRT prints every thread's stack
+    env[_SLOT_HELD_ENV] = "1"  # launched under a slot: a launch of its own takes none
     if result_dir is not None:
         env[RESULT_DIR_ENV] = str(result_dir)
     # The parent may run under a torchrun itself; its variables must not leak into the children.
@@ -148,17 +199,18 @@ def _child_env(result_dir: Optional[Path], extra: Optional[dict[str, str]]) -> d
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float, result_dir: Path, nproc: int) -> TorchrunResult:
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _stop_process_groups([proc])  # the launcher and every rank it started
-        output, _ = proc.communicate()
+    with launch_slot():
+        start = time.monotonic()  # the timeout starts once the launch does, not while it waits for a slot
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        timed_out = False
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop_process_groups([proc])  # the launcher and every rank it started
+            output, _ = proc.communicate()
     _log_launch(cmd, nproc, time.monotonic() - start)
     return TorchrunResult(
         returncode=proc.returncode,
@@ -280,7 +332,7 @@ def run_torchrun_function(
         return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
 
 
-RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "PYTHONFAULTHANDLER", RESULT_DIR_ENV}
+RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "PYTHONFAULTHANDLER", RESULT_DIR_ENV, _SLOT_HELD_ENV}
 """Variables a forked rank may have different from the zygote's environment: read after start-up
 (OMP_NUM_THREADS is applied with torch.set_num_threads) or harmless to differ (PYTHONPATH: the
 zygote's sys.path holds the repository and tests/ as well)."""
@@ -303,8 +355,9 @@ def run_module_forked(
     cmd = ["torchrun" if nproc > 1 else "python", "-m", module, *args]
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         log_dir = Path(tmp)
-        start = time.monotonic()
-        codes = zygote.run(envs, log_dir, timeout, module=module, args=args, cwd=str(cwd), split_streams=True)
+        with launch_slot():
+            start = time.monotonic()
+            codes = zygote.run(envs, log_dir, timeout, module=module, args=args, cwd=str(cwd), split_streams=True)
         streams = {
             name: "".join((log_dir / f"rank{rank}.{name}").read_text(errors="replace")
                           for rank in range(nproc) if (log_dir / f"rank{rank}.{name}").exists())
@@ -327,8 +380,9 @@ def _run_forked(
     envs = rank_zygote.torchrun_environments(base, nproc, free_port()) if use_torchrun else [base]
     log_dir = tmp / "ranks"
     log_dir.mkdir()
-    start = time.monotonic()
-    codes = zygote.run(envs, log_dir, timeout, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
+    with launch_slot():
+        start = time.monotonic()
+        codes = zygote.run(envs, log_dir, timeout, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
     timed_out = codes is None
     codes = codes or [-signal.SIGKILL] * nproc
     seconds = time.monotonic() - start
@@ -385,37 +439,38 @@ def run_slurm_function(
         base.update({"SLURM_NTASKS": str(ntasks), "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": job_id})
         base["MASTER_PORT"] = str(free_port())
         base.update(env or {})
-        start = time.monotonic()
-        procs, logs = [], []
-        for task in range(ntasks):
-            task_env = dict(base, SLURM_PROCID=str(task), SLURM_LOCALID=str(task))
-            log = open(Path(tmp) / f"task{task}.log", "w+")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(entry)], env=task_env, stdout=log,
-                    stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                )  # fmt: skip
-            )
-        # Poll: a task that fails makes the others wait in a collective, so stop them all at once.
-        timed_out = False
-        stopped: set[int] = set()
-        while any(p.poll() is None for p in procs):
-            failed = any(p.poll() not in (None, 0) for p in procs)
-            timed_out = time.monotonic() - start > timeout
-            if failed or timed_out:
-                stopped = {task for task, p in enumerate(procs) if p.poll() is None}
-                _stop_process_groups(procs)
-                break
-            time.sleep(0.2)
-        outputs, codes = [], []
-        for task, (proc, log) in enumerate(zip(procs, logs)):
-            log.seek(0)
-            state = "stopped while still running" if task in stopped else f"exited with {proc.returncode}"
-            wrote = (Path(result_dir) / f"rank{task}.json").exists()
-            outputs.append(f"----- task {task} ({state}; result {'written' if wrote else 'not written'}) -----\n{log.read()}")
-            log.close()
-            codes.append(proc.returncode)
+        with launch_slot():
+            start = time.monotonic()
+            procs, logs = [], []
+            for task in range(ntasks):
+                task_env = dict(base, SLURM_PROCID=str(task), SLURM_LOCALID=str(task))
+                log = open(Path(tmp) / f"task{task}.log", "w+")
+                logs.append(log)
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(entry)], env=task_env, stdout=log,
+                        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                    )  # fmt: skip
+                )
+            # Poll: a task that fails makes the others wait in a collective, so stop them all at once.
+            timed_out = False
+            stopped: set[int] = set()
+            while any(p.poll() is None for p in procs):
+                failed = any(p.poll() not in (None, 0) for p in procs)
+                timed_out = time.monotonic() - start > timeout
+                if failed or timed_out:
+                    stopped = {task for task, p in enumerate(procs) if p.poll() is None}
+                    _stop_process_groups(procs)
+                    break
+                time.sleep(0.2)
+            outputs, codes = [], []
+            for task, (proc, log) in enumerate(zip(procs, logs)):
+                log.seek(0)
+                state = "stopped while still running" if task in stopped else f"exited with {proc.returncode}"
+                wrote = (Path(result_dir) / f"rank{task}.json").exists()
+                outputs.append(f"----- task {task} ({state}; result {'written' if wrote else 'not written'}) -----\n{log.read()}")
+                log.close()
+                codes.append(proc.returncode)
         _log_launch(["slurm", str(entry)], ntasks, time.monotonic() - start)
         return TorchrunResult(
             returncode=next((c for c in codes if c != 0), 0),

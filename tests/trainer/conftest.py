@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_module_forked
+from torchrun_utils import launch_slot, run_module_forked
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -71,7 +71,8 @@ def run_cli(*args: str, nproc: int = 1, timeout: float = 300, threads: int | Non
     forked = run_module_forked("megatron_dapo.cli", args, nproc, env, cwd=REPO, timeout=timeout)  # the launch's ranks, preloaded
     if forked is not None:
         return forked
-    return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with launch_slot():
+        return subprocess.run(cli(*args, nproc=nproc), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def stop_after_step(proc: subprocess.Popen, output_dir: Path, step: int, timeout: float) -> subprocess.CompletedProcess:
