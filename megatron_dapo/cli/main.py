@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from megatron_dapo import errors
+from megatron_dapo.compat.megatron_core import quiet_known_notices
 
 # name -> (module, one-line help). Order is the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -50,6 +51,7 @@ def _quiet_known_warnings() -> None:
     """torch.distributed and Megatron-Core deprecation notices about APIs they call themselves: not
     the user's concern, and they bury the training table (PYTHONWARNINGS=default shows them)."""
     if not sys.warnoptions:
+        quiet_known_notices()
         for module in (r"torch\.distributed", r"megatron", r"megatron_dapo\.distributed\.cpu_compat"):
             warnings.filterwarnings("ignore", category=FutureWarning, module=module)
             warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
