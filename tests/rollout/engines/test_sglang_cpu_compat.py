@@ -98,14 +98,15 @@ def test_install_serves_torchvision_placeholders_only_when_it_is_absent(monkeypa
     for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.") or n == "sgl_kernel"]:
         monkeypatch.delitem(sys.modules, name)
     # As if SGLang's host pool were not imported yet (an earlier in-process SGLang test may have).
-    monkeypatch.delitem(sys.modules, compat.HOST_POOL_MODULE, raising=False)
+    for name in compat.AFTER_IMPORT_PATCHES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
     if compat._importable("torchvision"):
         pytest.skip("a real torchvision is installed here")
     monkeypatch.setitem(sys.modules, "sgl_kernel", None)  # restored (removed) afterwards
     monkeypatch.delitem(sys.modules, "sgl_kernel")
     installed = compat.install()
     try:
-        assert installed == ["host_pool_allocator", "sgl_kernel", "torchvision"]
+        assert installed == ["host_pool_allocator", "pynccl_cpu_groups", "sgl_kernel", "torchvision"]
         from transformers.utils import import_utils
 
         assert import_utils.is_torchvision_available() is False  # transformers still sees none
@@ -127,7 +128,8 @@ def test_install_patches_an_already_imported_host_pool_once(monkeypatch):
     monkeypatch.setitem(sys.modules, compat.HOST_POOL_MODULE, host_pool)
     assert "host_pool_allocator" in compat.install()
     assert host_pool.ALLOC_MEMORY_FUNCS["cpu"] is compat.alloc_host_buffer_cpu
-    assert not any(isinstance(f, compat._AfterImportFinder) for f in sys.meta_path)  # patched in place
+    assert not any(isinstance(f, compat._AfterImportFinder) and f.module_name == compat.HOST_POOL_MODULE
+                   for f in sys.meta_path)  # patched in place  # fmt: skip
     assert "host_pool_allocator" not in compat.install()  # once is enough, also when it was already loaded
 
 
@@ -162,3 +164,26 @@ def test_children_install_the_stand_ins_only_with_the_marker(tmp_path):
     finally:
         compat.remove_site_dir(directory)
     assert not directory.exists()
+
+
+def test_cpu_groups_get_no_nccl_communicator(monkeypatch):
+    """With an NCCL library present (PyPI's CUDA torch), SGLang would build a CPU group's NCCL
+    communicator on a CUDA device; patched, the CPU group's communicator is disabled as where no
+    library loads, and a CUDA group still reaches SGLang's own constructor."""
+    calls = []
+
+    class PyNcclCommunicator:
+        def __init__(self, group, device, library_path=None):
+            calls.append(device)
+
+    module = types.ModuleType(compat.PYNCCL_MODULE)
+    module.PyNcclCommunicator = PyNcclCommunicator
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    compat._patch_pynccl(module)
+    compat._patch_pynccl(module)  # once
+    communicator = PyNcclCommunicator("group", torch.device("cpu"))
+    assert communicator.disabled and not communicator.available and communicator.world_size == 2
+    assert calls == []
+    PyNcclCommunicator("group", 0)  # an int is a CUDA index
+    assert calls == [0] and compat._pynccl_is_patched(module)

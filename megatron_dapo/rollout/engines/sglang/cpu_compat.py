@@ -28,6 +28,10 @@ SGLang 0.5.23 runs on CPU with `SGLANG_USE_CPU_ENGINE=1`, but two things stop it
   the memory with CUDA (`cudaHostRegister`), which a CPU-only torch cannot do. `install` adds a "cpu"
   entry there that allocates the same buffer unregistered (nothing on CPU needs pinned memory), as
   soon as SGLang imports that module (`_AfterImportFinder`).
+* SGLang gives a process group an NCCL communicator whenever an NCCL library loads, also for CPU
+  groups: with PyPI's CUDA build of torch (it brings the library; Python 3.12 has no CPU-only torch
+  on PyPI) a TP>1 CPU engine asked for a CUDA device and failed. `install` disables the
+  communicator of CPU groups, the state SGLang gives them where no library is found.
 
 The first two are not installed where the real package is importable (never shadowed), nor on CUDA (the
 adapter calls `needed(device)`, which is False off the CPU); the finder sits last on
@@ -212,6 +216,7 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
+PYNCCL_MODULE = "sglang.srt.distributed.device_communicators.pynccl"
 
 
 def alloc_host_buffer_cpu(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
@@ -225,28 +230,73 @@ def _patch_host_pool(module: types.ModuleType) -> None:
         functions["cpu"] = alloc_host_buffer_cpu
 
 
-def _host_pool_patched() -> bool:
-    """True once `install` has patched SGLang's host-pool module, or will when it is imported."""
-    if any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
-        return True
-    functions = getattr(sys.modules.get(HOST_POOL_MODULE), "ALLOC_MEMORY_FUNCS", None)
+def _host_pool_is_patched(module: types.ModuleType) -> bool:
+    functions = getattr(module, "ALLOC_MEMORY_FUNCS", None)
     return functions is not None and functions.get("cpu") is alloc_host_buffer_cpu
 
 
+def _patch_pynccl(module: types.ModuleType) -> None:
+    """A CPU group gets no NCCL communicator, as when no NCCL library is found. SGLang decides by
+    whether the library loads, and PyPI's CUDA build of torch (Python 3.12 on a CPU machine) brings
+    one: SGLang then asks for the CPU group's CUDA device and the TP>1 engine fails to start."""
+    communicator = getattr(module, "PyNcclCommunicator", None)
+    if communicator is None or getattr(communicator.__init__, "_cpu_compat", False):
+        return
+    original = communicator.__init__
+
+    def __init__(self, group, device, *args, **kwargs):
+        if torch.device(f"cuda:{device}" if isinstance(device, int) else device).type == "cpu":
+            self.group, self.available, self.disabled = group, False, True
+            self.rank, self.world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            return
+        original(self, group, device, *args, **kwargs)
+
+    __init__._cpu_compat = True
+    communicator.__init__ = __init__
+
+
+def _pynccl_is_patched(module: types.ModuleType) -> bool:
+    return getattr(getattr(getattr(module, "PyNcclCommunicator", None), "__init__", None), "_cpu_compat", False)
+
+
+AFTER_IMPORT_PATCHES = {
+    # module: (name in install()'s list, patch, "is it patched?")
+    HOST_POOL_MODULE: ("host_pool_allocator", _patch_host_pool, _host_pool_is_patched),
+    PYNCCL_MODULE: ("pynccl_cpu_groups", _patch_pynccl, _pynccl_is_patched),
+}
+"""SGLang modules patched as soon as they are imported (see the module docstring)."""
+
+
+def _patched_or_pending(module_name: str) -> bool:
+    """True once `install` has patched `module_name`, or will when it is imported."""
+    if any(isinstance(f, _AfterImportFinder) and f.module_name == module_name for f in sys.meta_path):
+        return True
+    loaded = sys.modules.get(module_name)
+    return loaded is not None and AFTER_IMPORT_PATCHES[module_name][2](loaded)
+
+
+def _host_pool_patched() -> bool:
+    return _patched_or_pending(HOST_POOL_MODULE)
+
+
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
-    """Runs `_patch_host_pool` on SGLang's host-pool module right after it is imported (first on sys.meta_path)."""
+    """Runs a module's patch of AFTER_IMPORT_PATCHES right after it is imported (first on sys.meta_path)."""
+
+    def __init__(self, module_name: str = HOST_POOL_MODULE):
+        self.module_name = module_name
 
     def find_spec(self, name, path=None, target=None):
-        if name != HOST_POOL_MODULE:
+        if name != self.module_name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         execute = spec.loader.exec_module
+        patch = AFTER_IMPORT_PATCHES[name][1]
 
         def exec_module(module) -> None:
             execute(module)
-            _patch_host_pool(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -255,13 +305,15 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 def install() -> list[str]:
     """Put the stand-ins in place in this process where the real package is missing; returns what was installed."""
     installed = []
-    if not _host_pool_patched():
-        loaded = sys.modules.get(HOST_POOL_MODULE)
+    for module_name, (label, patch, _) in AFTER_IMPORT_PATCHES.items():
+        if _patched_or_pending(module_name):
+            continue
+        loaded = sys.modules.get(module_name)
         if loaded is not None:
-            _patch_host_pool(loaded)
+            patch(loaded)
         else:
-            sys.meta_path.insert(0, _AfterImportFinder())
-        installed.append("host_pool_allocator")
+            sys.meta_path.insert(0, _AfterImportFinder(module_name))
+        installed.append(label)
     if sys.modules.get(KERNEL_MODULE) is None and not _importable(KERNEL_MODULE):
         sys.modules[KERNEL_MODULE] = _kernel_module()
         installed.append(KERNEL_MODULE)
