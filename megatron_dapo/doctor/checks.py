@@ -481,11 +481,15 @@ def check_engine(package: str, engine: Optional[str], report: Any, installed: Op
 
 
 def check_megatron(report: Any) -> Check:
+    """The installed release, the tested ones and every API probe; the fix is a pip command that
+    installs a tested release on this Python (`compat.versions.megatron_core_install`)."""
     req = report.requirement
     if report.problems:
-        return Check(req.title, FAIL, report.describe().split(". Fix:")[0], req.install)
+        return Check(req.title, FAIL, report.describe().split(". Fix:")[0], report.describe().split(". Fix: ", 1)[-1])
     extra = "; " + "; ".join(report.warnings) if report.warnings else ""
-    return Check(req.title, PASS, f"megatron-core {report.version} in {req.package}{req.tested}, {len(req.probes)} API probes pass{extra}")
+    version = str(report.version).split("+")[0]
+    return Check(req.title, PASS, f"megatron-core {version} in {req.package}{req.tested} ({req.tested_with.replace('megatron-core ', 'tested: ')}), "
+                 f"{len(req.probes)} API probes pass{extra}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

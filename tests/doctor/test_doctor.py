@@ -425,3 +425,22 @@ def test_a_bad_interface_fails_every_rank(tmp_path):
         assert task.returncode == 1, out
         assert out.count("could not meet the others") == 1 and f"rank {rank} alone" in out, out  # each rank reports alone
         assert "nosuchif0 does not exist on this node" in out and "could not join the 2 ranks" in out, out
+
+
+def test_megatron_row_names_the_installed_and_tested_releases_and_a_command_that_works():
+    """In range but lacking an API (what 0.19.2 was before compat/megatron_core.py): the row names
+    the version, the tested releases and a pip command for a tested release, never the range the
+    user is already in."""
+    from megatron_dapo.compat.versions import MEGATRON_CORE, Report, megatron_core_install
+
+    broken = checks.check_megatron(Report(MEGATRON_CORE, version="0.19.1", missing=["a.b is missing"]))
+    assert broken.status == checks.FAIL
+    assert "0.19.1 is in the range but was not tested" in broken.detail and "a.b is missing" in broken.detail
+    assert "0.16.1, 0.17.1, 0.18.2, 0.19.2" in broken.detail
+    assert broken.fix == megatron_core_install() and "'megatron-core==" in broken.fix and ">=" not in broken.fix
+    damaged = checks.check_megatron(Report(MEGATRON_CORE, version="0.19.2", missing=["a.b is missing"]))
+    assert damaged.fix.endswith("--force-reinstall") if megatron_core_install().endswith("0.19.2'") else damaged.fix == megatron_core_install()
+    fine = checks.check_megatron(Report(MEGATRON_CORE, version="0.16.1+abc"))
+    assert fine.status == checks.PASS and "megatron-core 0.16.1 in megatron-core>=0.16,<0.20 (tested: 0.16.1" in fine.detail
+    assert megatron_core_install((3, 11)) == "pip install 'megatron-core==0.16.1'"  # pip's newest for 3.11
+    assert megatron_core_install((3, 12)) == "pip install 'megatron-core==0.19.2'"
