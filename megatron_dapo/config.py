@@ -37,7 +37,7 @@ from megatron_dapo.distributed.layout import (
     check_expert_dispatcher,
     validate_expert_parallel,
 )
-from megatron_dapo.errors import InputError
+from megatron_dapo.errors import ConfigError, InputError  # noqa: F401  (ConfigError: public here too)
 from megatron_dapo.rollout.placement import PlacementError, check_sync_mode, resolve_placement
 
 __all__ = [
@@ -60,10 +60,6 @@ __all__ = [
     "load_config",
     "config_to_dict",
 ]
-
-
-class ConfigError(InputError, ValueError):
-    """A configuration problem, reported before anything expensive starts."""
 
 
 # --------------------------------------------------------------------------------------------

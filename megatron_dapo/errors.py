@@ -28,6 +28,12 @@ class StopError(Exception):
     """The run cannot go on for a reason the user can act on; the message says what to do. Exit code 1."""
 
 
+class ConfigError(InputError, ValueError):
+    """A configuration problem, reported before anything expensive starts (exit code 2). Here rather
+    than in config.py so that modules below the config (data, model, checkpoint, plan) can raise it
+    without importing the schema; `megatron_dapo.config.ConfigError` is the same class."""
+
+
 def exit_code(error: BaseException) -> int | None:
     """The exit code a command returns for `error`, or None when it is a bug (show the traceback).
 

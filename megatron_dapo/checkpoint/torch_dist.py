@@ -33,7 +33,7 @@ from typing import Any, Union
 
 from megatron.core import dist_checkpointing
 
-from megatron_dapo.config import ConfigError
+from megatron_dapo.errors import ConfigError
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
     ShardedObject,

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from megatron_dapo.cli.train import guarded
+from megatron_dapo.errors import StopError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 
@@ -104,7 +105,8 @@ def _wait_for(path: Path, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 did not finish preparing {path.parent} within {timeout_s:.0f} s")
+            # A StopError: one line for the user (rank 0 died or is stuck; its own output says why).
+            raise StopError(f"rank 0 did not finish preparing {path.parent} within {timeout_s:.0f} s: see rank 0's output above")
         time.sleep(0.5)
 
 

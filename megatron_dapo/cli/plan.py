@@ -17,7 +17,8 @@ import argparse
 import json
 
 from megatron_dapo.cli.main import sort_trailing_options
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config import load_config
+from megatron_dapo.errors import ConfigError
 
 # The planner imports neither torch nor Megatron (fast --help), and its tables are the choices --help lists.
 from megatron_dapo.plan import (

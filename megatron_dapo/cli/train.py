@@ -61,7 +61,7 @@ def resolve_config_argument(args: argparse.Namespace) -> None:
     """Accept `train CONFIG k=v ...` as well as `train --config CONFIG k=v ...`: a first positional
     argument that is not a dotted override is the config file. Exactly one config must be given
     (a `config.ConfigError` otherwise: one line and exit code 2)."""
-    from megatron_dapo.config import ConfigError
+    from megatron_dapo.errors import ConfigError
 
     positional = list(args.overrides)
     if positional and "=" not in positional[0]:

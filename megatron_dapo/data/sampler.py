@@ -22,7 +22,7 @@ from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
-from megatron_dapo.config import ConfigError
+from megatron_dapo.errors import ConfigError
 
 __all__ = ["PromptSampler", "shard_for_rank"]
 

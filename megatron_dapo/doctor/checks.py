@@ -20,7 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config import load_config
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.socket_interfaces import is_loopback, nccl_interface_matches

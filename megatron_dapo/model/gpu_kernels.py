@@ -24,7 +24,7 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron_dapo.config import ConfigError
+from megatron_dapo.errors import ConfigError
 
 __all__ = [
     "GradientOptions",

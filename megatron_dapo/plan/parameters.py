@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_dapo.config import ConfigError
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.distributed.layout import ExpertParallelError, experts_per_rank
 
 if TYPE_CHECKING:  # megatron_dapo.model imports torch: kept out of `megatron-dapo --help`

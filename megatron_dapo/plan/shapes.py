@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_dapo.config import Config, ConfigError, validate_model_shape
+from megatron_dapo.config import Config, validate_model_shape
+from megatron_dapo.errors import ConfigError
 
 if TYPE_CHECKING:  # megatron_dapo.model imports torch: kept out of `megatron-dapo --help`
     from megatron_dapo.model.hf_config import HFModelConfig

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 
 from megatron_dapo.checkpoint.layout import atomic_write_text
-from megatron_dapo.config import Config, ConfigError, config_to_dict
+from megatron_dapo.config import Config, config_to_dict
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.tracking.loggers import METRICS_FILE, TENSORBOARD_DIR, WANDB_RUN_ID_FILE, MetricsLogger
 from megatron_dapo.tracking.plot import PLOT_FILE, plot_metrics
 

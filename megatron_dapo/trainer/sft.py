@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 from megatron_dapo.actor import PolicyBatch, build_actor
 from megatron_dapo.checkpoint import save_checkpoint
-from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.config import Config
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.data.dataset import DatasetError, encode_prompt, iter_records
 from megatron_dapo.data.sampler import PromptSampler, shard_for_rank
 from megatron_dapo.distributed.objects import any_rank, data_parallel_rank_and_size, is_logging_rank

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dapo.config import Config, ConfigError, read_model_config
+from megatron_dapo.config import Config, read_model_config
+from megatron_dapo.errors import ConfigError
 from megatron_dapo.trainer.output_dir import check_output_dir, clear_previous_run
 from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.layout import ParallelLayout

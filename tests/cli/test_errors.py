@@ -125,3 +125,13 @@ def test_library_errors_carry_their_kind():
     assert exit_code(ConfigError("x")) == 2 and isinstance(ConfigError("x"), ValueError)
     assert exit_code(DiskFullError(errno.ENOSPC, "no space")) == 1 and isinstance(DiskFullError(errno.ENOSPC, "x"), OSError)
     assert exit_code(NoIntactCheckpointError("none intact")) == 1  # also a FileNotFoundError: the stop wins
+
+
+def test_demo_waiting_for_rank_0_in_vain_is_a_stop_error(tmp_path):
+    """Ranks > 0 wait for rank 0's workspace; in vain, the user gets one line, not a TimeoutError traceback."""
+    from megatron_dapo import errors
+    from megatron_dapo.cli import demo
+
+    with pytest.raises(errors.StopError, match="rank 0 did not finish preparing") as caught:
+        demo._wait_for(tmp_path / "workspace" / "ready.json", timeout_s=0.0)
+    assert errors.exit_code(caught.value) == errors.EXIT_FAILURE
