@@ -116,11 +116,11 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 def _check_arguments(args: argparse.Namespace) -> None:
     for name in ("tp", "pp", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"):
         if getattr(args, name) < 1:
-            raise InputError(f"check-sync: --{name.replace('_', '-')} must be >= 1")
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.placement == "spmd" and args.engine != "vllm":
-        raise InputError("check-sync: --placement spmd needs --engine vllm")
+        raise InputError("--placement spmd needs --engine vllm")
     if not (Path(args.hf_dir) / "config.json").is_file():
-        raise InputError(f"check-sync: {args.hf_dir} is not an HF model directory (no config.json)")
+        raise InputError(f"{args.hf_dir} is not an HF model directory (no config.json)")
 
 
 def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
@@ -142,7 +142,7 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
         print(f"check-sync: starting {nproc} processes (tp={args.tp} x pp={args.pp}) with torch.distributed.run", flush=True)
         code = subprocess.call(command, env=env)
         if not result_file.is_file():
-            raise StopError(f"check-sync: the processes failed before reaching a verdict (exit code {code}; their output is above)")
+            raise StopError(f"the check-sync processes failed before reaching a verdict (exit code {code}; their output is above)")
         return bool(json.loads(result_file.read_text())["passed"])
 
 

@@ -81,9 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     args = sort_trailing_options(args, _add_options, "megatron-dapo doctor")
     if args.world_size is not None and args.world_size < 1:
-        raise InputError(f"doctor: --world-size must be >= 1, got {args.world_size}")
+        raise InputError(f"--world-size must be >= 1, got {args.world_size}")
     if args.bandwidth_mib < 1 or args.timeout_s <= 0:
-        raise InputError("doctor: --bandwidth-mib must be >= 1 and --timeout-s > 0")
+        raise InputError("--bandwidth-mib must be >= 1 and --timeout-s > 0")
     config, overrides = args.config, list(args.overrides)
     if config is None and overrides and "=" not in overrides[0]:
         config, overrides = overrides[0], overrides[1:]  # `doctor FILE key=value`, as plan takes it

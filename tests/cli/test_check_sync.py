@@ -43,7 +43,8 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, tmp_path, capsys, 
         (hf_dir / "config.json").write_text("{}")  # only the last case lacks it
     assert main(["check-sync", "--hf-dir", str(hf_dir), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("megatron-dapo: error: check-sync: ") and message in err and "starting" not in err, err
+    assert err.startswith("megatron-dapo: error: ") and message in err and "starting" not in err, err
+    assert "check-sync:" not in err  # the prefix names the program; the message does not repeat the command
 
 
 def test_the_relaunched_processes_get_the_same_options():

@@ -24,7 +24,7 @@ def test_command_exit_codes(capsys, tmp_path):
     code, out = _doctor(capsys, config, "parallel.tp=2", "--world-size", "3", f"trainer.output_dir={tmp_path}")
     assert code == 1 and "world size 3 is not divisible" in out and "-> exit 1" in out
     code, out = _doctor(capsys, config, "--world-size", "0")
-    assert code == 2 and "megatron-dapo: error: doctor: --world-size must be >= 1, got 0" in out
+    assert code == 2 and "megatron-dapo: error: --world-size must be >= 1, got 0" in out
     code, out = _doctor(capsys, config, "--bandwidth-mib", "0")
     assert code == 2 and "--bandwidth-mib must be >= 1" in out
 
