@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import megatron_dapo
+from megatron_dapo.cli.main import check_flags
 from megatron_dapo.errors import InputError, StopError
 
 RESULT_FILE_ENV = "MEGATRON_DAPO_CHECK_SYNC_RESULT"
@@ -114,9 +115,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    for name in ("tp", "pp", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    check_flags(args, at_least=dict.fromkeys(("tp", "pp", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"), 1))
     if args.placement == "spmd" and args.engine != "vllm":
         raise InputError("--placement spmd needs --engine vllm")
     if not (Path(args.hf_dir) / "config.json").is_file():

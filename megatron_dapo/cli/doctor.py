@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from megatron_dapo.cli.main import sort_trailing_options
-from megatron_dapo.errors import InputError
+from megatron_dapo.cli.main import check_flags, sort_trailing_options
 
 DESCRIPTION = (
     "Check this machine (or, under srun / torchrun, every machine of the job) before a job queues: "
@@ -80,10 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args = sort_trailing_options(args, _add_options, "megatron-dapo doctor")
-    if args.world_size is not None and args.world_size < 1:
-        raise InputError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.bandwidth_mib < 1 or args.timeout_s <= 0:
-        raise InputError("--bandwidth-mib must be >= 1 and --timeout-s > 0")
+    check_flags(args, at_least={"world_size": 1, "bandwidth_mib": 1}, above={"timeout_s": 0})
     config, overrides = args.config, list(args.overrides)
     if config is None and overrides and "=" not in overrides[0]:
         config, overrides = overrides[0], overrides[1:]  # `doctor FILE key=value`, as plan takes it

@@ -104,6 +104,20 @@ def run_command(run, args: argparse.Namespace) -> int:
         return code
 
 
+def check_flags(args: argparse.Namespace, at_least: dict[str, float] | None = None, above: dict[str, float] | None = None) -> None:
+    """The one check of numeric flags every command uses: `at_least` {dest: minimum}, `above`
+    {dest: exclusive bound}; a flag left at None is not checked. One InputError (exit 2) names every
+    flag out of bounds, its value and the bound."""
+    bad = []
+    for bounds, sign, fails in ((at_least or {}, ">=", lambda v, b: v < b), (above or {}, ">", lambda v, b: v <= b)):
+        for dest, bound in bounds.items():
+            value = getattr(args, dest)
+            if value is not None and fails(value, bound):
+                bad.append(f"--{dest.replace('_', '-')} must be {sign} {bound:g}, got {value:g}")
+    if bad:
+        raise errors.InputError("; ".join(bad))
+
+
 def sort_trailing_options(args: argparse.Namespace, add_options, prog: str) -> argparse.Namespace:
     """Options that followed a positional ended up in `args.overrides` (argparse's REMAINDER takes
     everything after the first override): parse them out with the options `add_options` declares."""

@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_dapo.cli.main import sort_trailing_options
+from megatron_dapo.cli.main import check_flags, sort_trailing_options
 from megatron_dapo.config import load_config
-from megatron_dapo.errors import ConfigError
 
 # The planner imports neither torch nor Megatron (fast --help), and its tables are the choices --help lists.
 from megatron_dapo.plan import (
@@ -87,9 +86,8 @@ def run(args: argparse.Namespace) -> int:
     config_path, overrides = args.config, list(args.overrides)
     if config_path is not None and "=" in config_path:  # only overrides, no file
         config_path, overrides = None, [config_path, *overrides]
+    check_flags(args, at_least={"nodes": 1, "gpus_per_node": 1, "reserve_gib": 0}, above={"gpu_memory_gib": 0})
     gpu_gib = GPU_MODELS[args.gpu].memory_gib if args.gpu_memory_gib is None else args.gpu_memory_gib
-    if args.nodes < 1 or args.gpus_per_node < 1 or gpu_gib <= 0 or args.reserve_gib < 0:
-        raise ConfigError("--nodes and --gpus-per-node must be >= 1, --gpu-memory-gib > 0, --reserve-gib >= 0")
     cfg = load_config(config_path, overrides)
     name, model = resolve_model(cfg, args.model)
     cluster = ClusterShape(args.nodes, args.gpus_per_node, gpu_gib, args.gpu)

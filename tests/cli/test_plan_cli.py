@@ -35,7 +35,10 @@ def test_cli_errors_and_exit_codes(capsys, tmp_path):
     assert main(["plan", "model.hf_dir=/nonexistent"]) == 2
     assert "pass --model" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen2.5-7b", "--nodes", "0"]) == 2
-    assert "megatron-dapo: error: --nodes and --gpus-per-node must be >= 1" in capsys.readouterr().err
+    assert "megatron-dapo: error: --nodes must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus-per-node", "0", "--gpu-memory-gib", "0"]) == 2
+    err = capsys.readouterr().err  # every bad flag in one line
+    assert "--gpus-per-node must be >= 1, got 0; --gpu-memory-gib must be > 0, got 0" in err and err.count("\n") == 1
     # A model the planner has no formulas for: the config's message names the directory and the reason.
     mistral = {**mp.KNOWN_MODELS["qwen2.5-0.5b"], "architectures": ["MistralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(mistral))
