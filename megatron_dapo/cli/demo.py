@@ -32,7 +32,7 @@ import os
 import time
 from pathlib import Path
 
-from megatron_dapo.cli.train import guarded
+from megatron_dapo.cli.job import guarded
 from megatron_dapo.errors import StopError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_dapo.cli.train import add_common_arguments, guarded, resolve_config_argument
+from megatron_dapo.cli.job import add_config_arguments, guarded, resolve_config_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "Uses the config's `sft` section: train_files (with a 'response' field), total_steps, batch_size, lr, output_dir."
-    add_common_arguments(parser)
+    add_config_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,7 +68,8 @@ def test_train_takes_the_config_positionally_or_with_the_flag():
     import pytest
 
     from megatron_dapo.config import ConfigError
-    from megatron_dapo.cli.train import add_arguments, resolve_config_argument
+    from megatron_dapo.cli.job import resolve_config_argument
+    from megatron_dapo.cli.train import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
