@@ -263,107 +263,205 @@ def plan_memory(
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     model_name: str = "",
 ) -> MemoryPlan:
-    """Per-GPU memory of `cfg` on `cluster` for `model`; raises `ConfigError` for an impossible layout."""
+    """Per-GPU memory of `cfg` on `cluster` for `model`; raises `ConfigError` for an impossible layout.
+
+    One function per phase of the step (module doc): the engine's pool, the training phase of each
+    pipeline stage, the rollout phase (generation and weight sync), then what context parallelism
+    would take for the longest sequence."""
     p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
     world = cluster.world_size
-    validate_world(cfg, world)  # the config's own messages for layout / world mismatches
+    _validate(cfg, model, world)
     dp = world // (p.tp * p.pp * p.cp)
+    gpu = cluster.gpu_memory_bytes
+    reserve = reserve_gib * GIB
+    longest = r.max_prompt_length + r.max_response_length
+    # Per rank, as the actor plans micro-batches: under CP a rank computes 1/CP of each sequence's tokens.
+    budget = t.max_tokens_per_micro_batch or math.ceil(t.micro_batch_size * longest / p.cp)
+    engine = _engine_pool(cfg, model, cluster)
+    expert_dp = expert_data_parallel_size(world, p.ep, p.tp, p.pp, p.cp)
+    per_stage = [_training_stage(cfg, model, stage, gpu, reserve, budget, dp, expert_dp, engine) for stage in range(p.pp)]
+    stages = [stage for stage, _ in per_stage]
+    binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
+    rollout = _rollout_phase(cfg, stages, engine, cluster, reserve, longest)
+    longest_per_micro_batch = binding.max_tokens * p.cp
+    cp_needed = _smallest_context_parallel(binding.max_tokens, longest, world // (p.tp * p.pp))
+    notes = _notes(cfg, model, engine, rollout, longest, longest_per_micro_batch, cp_needed)
+    return MemoryPlan(
+        model_name=model_name,
+        architecture=model.architecture,
+        hf_parameters=hf_parameter_count(model),
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        world_size=world,
+        gpu_memory=gpu,
+        gpu=cluster.gpu,
+        reserve=reserve,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        dp=dp,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        distributed_optimizer=p.use_distributed_optimizer,
+        recompute=cfg.model.recompute_activations,
+        dtype=cfg.model.dtype,
+        reference_built=cfg.algorithm.kl.use_kl_loss,
+        engine_pool_during_training=engine.in_training,
+        micro_batch_tokens=budget,
+        longest_sequence=longest,
+        stages=stages,
+        binding_stage=binding.stage,
+        rollout=rollout,
+        max_tokens_per_micro_batch=binding.max_tokens,
+        longest_sequence_per_micro_batch=longest_per_micro_batch,
+        min_cp_for_longest_sequence=cp_needed,
+        training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
+        rollout_fits=rollout.phase_total <= gpu and rollout.concurrent_full_sequences >= 1,
+        notes=notes,
+        moe=(_expert_plan(model, p.ep, p.tp, expert_dp, [parts for _, parts in per_stage], cfg.moe.token_dispatcher)
+             if model.is_moe else None),  # fmt: skip
+    )
+
+
+def _validate(cfg: Config, model: HFModelConfig, world: int) -> None:
+    """The config's own messages for a layout that does not fit the world or the model."""
+    validate_world(cfg, world)
     shape = {
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_key_value_heads,
         "num_hidden_layers": model.num_layers,
         "num_experts": model.num_experts,
     }
-    validate_model_shape(cfg, shape)  # heads, query groups, layers, experts vs EP: the config's own messages
-    check_tensor_parallel(model, p.tp, "parallel.tp")  # adds the FFN split
-    gpu = cluster.gpu_memory_bytes
-    reserve = reserve_gib * GIB
-    longest = r.max_prompt_length + r.max_response_length
-    # Per rank, as the actor plans micro-batches: under CP a rank computes 1/CP of each sequence's tokens.
-    budget = t.max_tokens_per_micro_batch or math.ceil(t.micro_batch_size * longest / p.cp)
-    sp = p.sequence_parallel and p.tp > 1
-    shards = dp * p.cp if p.use_distributed_optimizer else 1
-    reference_built = cfg.algorithm.kl.use_kl_loss
-    param_bytes = dtype_bytes(cfg.model.dtype)
+    validate_model_shape(cfg, shape)  # heads, query groups, layers, experts vs EP
+    check_tensor_parallel(model, cfg.parallel.tp, "parallel.tp")  # adds the FFN split
 
-    # Rollout engine.
-    rollout_weights = rollout_weight_parameters(model, r.tp) * 2.0
-    kv_per_token = kv_cache_bytes_per_token(model, r.tp)
+
+@dataclass(frozen=True)
+class _EnginePool:
+    """The rollout engine on one GPU (vLLM's conventions; SGLang's where they differ)."""
+
+    weights: float
+    kv_per_token: int
+    pool: float
+    batched_tokens: int
+    num_seqs: int
+    activation: float
+    in_pool: bool
+    """vLLM subtracts its activation peak from its pool; SGLang's static fraction excludes it."""
+    engine_in_pool: float
+    kv_cache: float
+    engines: int
+    sequences_per_engine: int
+    results: float
+    beside_pool: float
+    """Allocated next to the pool while it is awake: the gather's result buffers (+ SGLang's activations)."""
+    in_training: bool
+    """The pool stays through the update (rollout.free_cache_engine off)."""
+
+
+def _engine_pool(cfg: Config, model: HFModelConfig, cluster: ClusterShape) -> _EnginePool:
+    r, t = cfg.rollout, cfg.trainer
+    gpu = cluster.gpu_memory_bytes
+    weights = rollout_weight_parameters(model, r.tp) * 2.0
     pool = r.gpu_memory_utilization * gpu
     batched_tokens, num_seqs = vllm_batch_defaults(cluster.gpu_memory_gib, cluster.gpu)
     activation = vllm_activation_peak(model, r.tp, batched_tokens, num_seqs)
-    in_pool = r.engine != "sglang"  # vLLM subtracts it from its pool; SGLang's static fraction excludes it
-    engine_in_pool = rollout_weights + (activation if in_pool else 0.0)
-    kv_cache = max(0.0, pool - engine_in_pool)
-    engines = world // r.tp
+    in_pool = r.engine != "sglang"
+    engine_in_pool = weights + (activation if in_pool else 0.0)
+    engines = cluster.world_size // r.tp
     sequences_per_engine = math.ceil(t.gen_batch_size * r.n / engines)
     results = result_buffer_bytes(sequences_per_engine, r.n, r.max_prompt_length, r.max_response_length)
-    beside_pool = results + (0.0 if in_pool else activation)  # allocated while the pool is awake
-    engine_in_training = not r.free_cache_engine
+    return _EnginePool(
+        weights=weights,
+        kv_per_token=kv_cache_bytes_per_token(model, r.tp),
+        pool=pool,
+        batched_tokens=batched_tokens,
+        num_seqs=num_seqs,
+        activation=activation,
+        in_pool=in_pool,
+        engine_in_pool=engine_in_pool,
+        kv_cache=max(0.0, pool - engine_in_pool),
+        engines=engines,
+        sequences_per_engine=sequences_per_engine,
+        results=results,
+        beside_pool=results + (0.0 if in_pool else activation),
+        in_training=not r.free_cache_engine,
+    )
 
-    stages = []
-    expert_stages = []
-    expert_dp = expert_data_parallel_size(world, p.ep, p.tp, p.pp, p.cp)
-    for stage in range(p.pp):
-        split = stage_parameter_split(model, p.tp, p.pp, stage, p.ep)
-        params = split.total
-        if model.is_moe:
-            parts = ExpertStageMemory(
-                stage=stage,
-                dense_parameters=split.dense,
-                expert_parameters=split.expert,
-                dense_distributed_optimizer=actor_memory(split.dense, cfg.model.dtype, dp * p.cp),
-                dense_plain_optimizer=actor_memory(split.dense, cfg.model.dtype, 1),
-                expert_distributed_optimizer=actor_memory(split.expert, cfg.model.dtype, expert_dp),
-                expert_plain_optimizer=actor_memory(split.expert, cfg.model.dtype, 1),
-            )
-            expert_stages.append(parts)
-            with_dist = parts.dense_distributed_optimizer + parts.expert_distributed_optimizer
-            plain = parts.dense_plain_optimizer + parts.expert_plain_optimizer
-            actor = with_dist if p.use_distributed_optimizer else plain
-        else:
-            with_dist = actor_memory(params, cfg.model.dtype, dp * p.cp)
-            plain = actor_memory(params, cfg.model.dtype, 1)
-            actor = actor_memory(params, cfg.model.dtype, shards)
-        reference = params * param_bytes if reference_built else 0.0
-        common = dict(
-            vpp=p.vpp,
-            cp=p.cp,
-            sequence_parallel=sp,
-            temperature=r.temperature,
-            fused_swiglu=cfg.model.transformer_engine != "off",  # Megatron fuses it only with TE on GPU
-            ep=p.ep,
-            moe_dispatcher=cfg.moe.token_dispatcher,
+
+def _training_stage(
+    cfg: Config, model: HFModelConfig, stage: int, gpu: float, reserve: float, budget: int, dp: int, expert_dp: int,
+    engine: _EnginePool,
+) -> tuple[StageMemory, Optional[ExpertStageMemory]]:
+    """The training phase on one pipeline stage's rank: the whole actor, the reference, one
+    micro-batch's activations (and the pool if it never sleeps); for an MoE also the state by part."""
+    p, r = cfg.parallel, cfg.rollout
+    split = stage_parameter_split(model, p.tp, p.pp, stage, p.ep)
+    params = split.total
+    parts = None
+    if model.is_moe:
+        parts = ExpertStageMemory(
+            stage=stage,
+            dense_parameters=split.dense,
+            expert_parameters=split.expert,
+            dense_distributed_optimizer=actor_memory(split.dense, cfg.model.dtype, dp * p.cp),
+            dense_plain_optimizer=actor_memory(split.dense, cfg.model.dtype, 1),
+            expert_distributed_optimizer=actor_memory(split.expert, cfg.model.dtype, expert_dp),
+            expert_plain_optimizer=actor_memory(split.expert, cfg.model.dtype, 1),
         )
-        none = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=False, **common)
-        full = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=True, **common)
-        chosen = full if cfg.model.recompute_activations else none
-        static = actor.total + reference + reserve + (pool if engine_in_training else 0.0)
+        with_dist = parts.dense_distributed_optimizer + parts.expert_distributed_optimizer
+        plain = parts.dense_plain_optimizer + parts.expert_plain_optimizer
+        actor = with_dist if p.use_distributed_optimizer else plain
+    else:
+        with_dist = actor_memory(params, cfg.model.dtype, dp * p.cp)
+        plain = actor_memory(params, cfg.model.dtype, 1)
+        actor = actor_memory(params, cfg.model.dtype, dp * p.cp if p.use_distributed_optimizer else 1)
+    reference = params * dtype_bytes(cfg.model.dtype) if cfg.algorithm.kl.use_kl_loss else 0.0
+    common = dict(
+        vpp=p.vpp,
+        cp=p.cp,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        temperature=r.temperature,
+        fused_swiglu=cfg.model.transformer_engine != "off",  # Megatron fuses it only with TE on GPU
+        ep=p.ep,
+        moe_dispatcher=cfg.moe.token_dispatcher,
+    )
+    none = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=False, **common)
+    full = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=True, **common)
+    chosen = full if cfg.model.recompute_activations else none
+    static = actor.total + reference + reserve + (engine.pool if engine.in_training else 0.0)
 
-        def largest(act: StageActivation) -> int:
-            return max(0, math.floor((gpu - static - act.fixed) / act.per_token))
+    def largest(act: StageActivation) -> int:
+        return max(0, math.floor((gpu - static - act.fixed) / act.per_token))
 
-        at_budget = chosen.fixed + chosen.per_token * budget
-        stages.append(
-            StageMemory(
-                stage=stage,
-                parameters=params,
-                actor=actor,
-                actor_distributed_optimizer=with_dist,
-                actor_plain_optimizer=plain,
-                reference=reference,
-                activation_per_token=chosen.per_token,
-                activation_per_token_no_recompute=none.per_token,
-                activation_per_token_full_recompute=full.per_token,
-                activation_fixed=chosen.fixed,
-                activation_at_budget=at_budget,
-                training_total=static + at_budget,
-                max_tokens=largest(chosen),
-                max_tokens_no_recompute=largest(none),
-                max_tokens_full_recompute=largest(full),
-            )
-        )
-    binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
+    at_budget = chosen.fixed + chosen.per_token * budget
+    memory = StageMemory(
+        stage=stage,
+        parameters=params,
+        actor=actor,
+        actor_distributed_optimizer=with_dist,
+        actor_plain_optimizer=plain,
+        reference=reference,
+        activation_per_token=chosen.per_token,
+        activation_per_token_no_recompute=none.per_token,
+        activation_per_token_full_recompute=full.per_token,
+        activation_fixed=chosen.fixed,
+        activation_at_budget=at_budget,
+        training_total=static + at_budget,
+        max_tokens=largest(chosen),
+        max_tokens_no_recompute=largest(none),
+        max_tokens_full_recompute=largest(full),
+    )
+    return memory, parts
+
+
+def _rollout_phase(
+    cfg: Config, stages: list[StageMemory], engine: _EnginePool, cluster: ClusterShape, reserve: float, longest: int
+) -> RolloutMemory:
+    """Generation (the actor state not offloaded + the pool) and the weight sync after the update
+    (params + engine weights + one bucket) on the fullest GPU; the largest pool either allows."""
+    r = cfg.rollout
+    gpu = cluster.gpu_memory_bytes
     bucket = r.weight_sync_bucket_mb * 2**20
     offloaded = [kind for kind in OFFLOAD_KINDS if getattr(cfg.actor, f"offload_{kind}")]
 
@@ -374,39 +472,39 @@ def plan_memory(
 
     actor_kept = max(kept(s, offloaded) for s in stages)
     at_sync = max(kept(s, [k for k in offloaded if k != "params"]) for s in stages)  # the push reads the params
-    engine_at_sync = rollout_weights if r.free_cache_engine else pool
-    generation_total = actor_kept + pool + beside_pool + reserve
+    engine_at_sync = engine.weights if r.free_cache_engine else engine.pool
+    generation_total = actor_kept + engine.pool + engine.beside_pool + reserve
     sync_total = at_sync + engine_at_sync + bucket + reserve
 
     def largest_utilization(away: list[str]) -> float:
-        room = gpu - max(kept(s, away) for s in stages) - beside_pool - reserve
+        room = gpu - max(kept(s, away) for s in stages) - engine.beside_pool - reserve
         if not r.free_cache_engine:  # the pool is there during the sync too
             room = min(room, gpu - max(kept(s, [k for k in away if k != "params"]) for s in stages) - bucket - reserve)
         return max(0.0, room / gpu)
 
     def full_sequences(pool_bytes: float) -> int:
-        return int(max(0.0, pool_bytes - engine_in_pool) // (kv_per_token * longest))
+        return int(max(0.0, pool_bytes - engine.engine_in_pool) // (engine.kv_per_token * longest))
 
     max_utilization = largest_utilization(offloaded)
     # Offloaded grads are dropped, not copied (their values are dead between updates): no host memory.
     host_per_gpu = max(sum(actor_parts(s.actor)[k] for k in offloaded if k != "grads") for s in stages)
     if r.free_cache_engine and (r.engine == "embedded" or (r.engine == "vllm" and r.sleep_level == 1)):
-        host_per_gpu += rollout_weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
-    rollout = RolloutMemory(
+        host_per_gpu += engine.weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
+    return RolloutMemory(
         tp=r.tp,
-        engines=engines,
-        weights=rollout_weights,
-        kv_bytes_per_token=kv_per_token,
-        pool=pool,
-        activation_peak=activation,
-        activation_in_pool=in_pool,
-        max_num_batched_tokens=batched_tokens,
-        max_num_seqs=num_seqs,
-        kv_cache=kv_cache,
-        result_buffers=results,
+        engines=engine.engines,
+        weights=engine.weights,
+        kv_bytes_per_token=engine.kv_per_token,
+        pool=engine.pool,
+        activation_peak=engine.activation,
+        activation_in_pool=engine.in_pool,
+        max_num_batched_tokens=engine.batched_tokens,
+        max_num_seqs=engine.num_seqs,
+        kv_cache=engine.kv_cache,
+        result_buffers=engine.results,
         full_sequence_tokens=longest,
-        concurrent_full_sequences=full_sequences(pool),
-        generation_sequences_per_engine=sequences_per_engine,
+        concurrent_full_sequences=full_sequences(engine.pool),
+        generation_sequences_per_engine=engine.sequences_per_engine,
         offloaded=offloaded,
         actor_kept=actor_kept,
         generation_total=generation_total,
@@ -419,12 +517,29 @@ def plan_memory(
         host_per_gpu=host_per_gpu,
         host_per_node=host_per_gpu * cluster.gpus_per_node,
     )
-    rollout_total = rollout.phase_total
 
+
+def _smallest_context_parallel(max_tokens: int, longest: int, cp_world: int) -> Optional[int]:
+    """The smallest parallel.cp (a divisor of world / (TP x PP)) whose micro-batch holds `longest`.
+
+    At a fixed world size, TP and PP the actor state per GPU does not depend on CP (the distributed
+    optimizer shards over DP x CP and the experts' over DP x CP / EP, constants), so the longest
+    sequence grows exactly with CP."""
+    wanted = math.ceil(longest / max_tokens) if max_tokens > 0 else None
+    choices = [c for c in range(1, cp_world + 1) if cp_world % c == 0]
+    return next((c for c in choices if wanted is not None and c >= wanted), None)
+
+
+def _notes(
+    cfg: Config, model: HFModelConfig, engine: _EnginePool, rollout: RolloutMemory, longest: int,
+    longest_per_micro_batch: int, cp_needed: Optional[int],
+) -> list[str]:
+    """What the table says under the figures: choices that change them and how to make a phase fit."""
+    p, r = cfg.parallel, cfg.rollout
     notes = []
     if not p.use_distributed_optimizer:
         notes.append("parallel.use_distributed_optimizer=false: every rank keeps all optimizer state")
-    if pool <= engine_in_pool:
+    if engine.pool <= engine.engine_in_pool:
         notes.append(
             "the rollout pool cannot even hold the engine weights and vLLM's profiled activations: raise "
             "rollout.gpu_memory_utilization or rollout.tp"
@@ -448,13 +563,6 @@ def plan_memory(
             "mixture of experts: routing counted as balanced (each expert's rank gets its share of the tokens); "
             "a rank whose experts draw more tokens holds more dispatch and expert activations"
         )
-    # At a fixed world size, TP and PP the actor state per GPU does not depend on CP (the distributed
-    # optimizer shards over DP x CP and the experts' over DP x CP / EP, constants), so the longest
-    # sequence grows exactly with CP.
-    longest_per_micro_batch = binding.max_tokens * p.cp
-    wanted = math.ceil(longest / binding.max_tokens) if binding.max_tokens > 0 else None
-    cp_choices = [c for c in range(1, world // (p.tp * p.pp) + 1) if (world // (p.tp * p.pp)) % c == 0]
-    cp_needed = next((c for c in cp_choices if wanted is not None and c >= wanted), None)
     if longest_per_micro_batch < longest:
         remedy = f"set parallel.cp >= {cp_needed} (context parallelism), " if cp_needed else ""
         notes.append(
@@ -462,40 +570,7 @@ def plan_memory(
             f"tokens at CP={p.cp}): {remedy}enable model.recompute_activations, sequence parallelism, or raise "
             "parallel.tp / parallel.pp"
         )
-    return MemoryPlan(
-        model_name=model_name,
-        architecture=model.architecture,
-        hf_parameters=hf_parameter_count(model),
-        nodes=cluster.nodes,
-        gpus_per_node=cluster.gpus_per_node,
-        world_size=world,
-        gpu_memory=gpu,
-        gpu=cluster.gpu,
-        reserve=reserve,
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        cp=p.cp,
-        dp=dp,
-        sequence_parallel=sp,
-        distributed_optimizer=p.use_distributed_optimizer,
-        recompute=cfg.model.recompute_activations,
-        dtype=cfg.model.dtype,
-        reference_built=reference_built,
-        engine_pool_during_training=engine_in_training,
-        micro_batch_tokens=budget,
-        longest_sequence=longest,
-        stages=stages,
-        binding_stage=binding.stage,
-        rollout=rollout,
-        max_tokens_per_micro_batch=binding.max_tokens,
-        longest_sequence_per_micro_batch=longest_per_micro_batch,
-        min_cp_for_longest_sequence=cp_needed,
-        training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
-        rollout_fits=rollout_total <= gpu and rollout.concurrent_full_sequences >= 1,
-        notes=notes,
-        moe=_expert_plan(model, p.ep, p.tp, expert_dp, expert_stages, cfg.moe.token_dispatcher) if model.is_moe else None,
-    )
+    return notes
 
 
 def _expert_plan(
