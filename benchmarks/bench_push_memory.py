@@ -191,7 +191,7 @@ def main() -> None:
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
     from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.rollout.placement import SpmdSlot
+    from megatron_dapo.distributed.placement import SpmdSlot
     from megatron_dapo.rollout.sync.storage_ledger import StorageLedger, weight_path_ledger
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
     from megatron_dapo.rollout.sync.dispatch import sync_weights

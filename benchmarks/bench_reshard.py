@@ -419,7 +419,7 @@ def spmd_push_and_generate(args, models, hf_cfg, model_dir: Path, prompts, sampl
     import torch.distributed as dist
 
     from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.rollout.placement import SpmdSlot
+    from megatron_dapo.distributed.placement import SpmdSlot
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
     started = time.perf_counter()

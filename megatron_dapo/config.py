@@ -10,7 +10,7 @@ interpolation (`${rollout.max_response_length}`); overrides are parsed as YAML s
 
 The data-parallel size is not a key: it is derived from the world size (`Config.resolve_world`).
 The rules on the parallel sizes (against each other, the model and the world) belong to
-`distributed/layout.py`, the rollout placement to `rollout/placement.py`; this module applies them
+`distributed/layout.py`, the rollout placement to `distributed/placement.py`; this module applies them
 to the config and reports a broken one as a ConfigError.
 """
 
@@ -38,7 +38,7 @@ from megatron_dapo.distributed.layout import (
     validate_expert_parallel,
 )
 from megatron_dapo.errors import ConfigError, InputError  # noqa: F401  (ConfigError: public here too)
-from megatron_dapo.rollout.placement import PlacementError, check_sync_mode, resolve_placement
+from megatron_dapo.distributed.placement import PlacementError, check_sync_mode, resolve_placement
 
 __all__ = [
     "ActorConfig",

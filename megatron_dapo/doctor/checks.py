@@ -27,7 +27,7 @@ from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.socket_interfaces import is_loopback, nccl_interface_matches
 from megatron_dapo.compat.versions import REQUIREMENTS, VersionRange
 from megatron_dapo.plan import ClusterShape, actor_memory, hf_parameter_count, plan_memory, resolve_model
-from megatron_dapo.rollout.placement import resolve_placement
+from megatron_dapo.distributed.placement import resolve_placement
 from megatron_dapo.rollout.sync.dispatch import choose_sync_mode
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "FAIL", "skip"

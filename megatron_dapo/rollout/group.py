@@ -1,6 +1,6 @@
 """The rollout engines as the driver loop sees them: placement, generation, weight sync, sleep.
 
-Placement (`rollout.placement`, see `placement.py`):
+Placement (`rollout.placement`, see `distributed/placement.py`):
 
 * "leader": each replica (the TP x PP x CP ranks that hold one copy of the actor) has one engine,
   created on the replica's first rank (`is_replica_leader`), which generates the replica's share of
@@ -51,7 +51,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_replica_leader
 from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from megatron_dapo.rollout.placement import (
+from megatron_dapo.distributed.placement import (
     EngineDevices,
     RankGpu,
     SpmdSlot,

@@ -41,7 +41,7 @@ from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatro
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
 from megatron_dapo.rollout.group import RolloutGroup
-from megatron_dapo.rollout.placement import SpmdSlot
+from megatron_dapo.distributed.placement import SpmdSlot
 
 __all__ = ["PERTURB_FACTOR", "CheckSyncError", "run_check"]
 

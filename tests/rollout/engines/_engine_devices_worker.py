@@ -9,7 +9,7 @@ def main() -> dict:
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed
     from megatron_dapo.rollout.group import engine_devices
-    from megatron_dapo.rollout.placement import PlacementError, RankGpu
+    from megatron_dapo.distributed.placement import PlacementError, RankGpu
     from torchrun_utils import reporting
 
     out: dict = {}

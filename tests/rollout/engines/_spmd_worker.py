@@ -70,7 +70,7 @@ def run_model(model_dir: str, index: int) -> dict:
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.algorithm.mismatch import log_prob_mismatch
-    from megatron_dapo.rollout.placement import SpmdSlot
+    from megatron_dapo.distributed.placement import SpmdSlot
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
     result: dict = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from megatron_dapo.rollout.placement import (
+from megatron_dapo.distributed.placement import (
     EngineDevices,
     PlacementError,
     RankGpu,

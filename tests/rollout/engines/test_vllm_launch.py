@@ -19,7 +19,7 @@ import torch
 from megatron_dapo.config import Config
 from megatron_dapo.rollout import group
 from megatron_dapo.rollout.engines.vllm import launch as vllm_launch
-from megatron_dapo.rollout.placement import EngineDevices
+from megatron_dapo.distributed.placement import EngineDevices
 from megatron_dapo.rollout.engines.vllm.launch import (
     leader_environment,
     own_shared_memory_segments,

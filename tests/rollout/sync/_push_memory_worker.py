@@ -126,7 +126,7 @@ def main(model_dir: str, moe_dir: str) -> None:
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
     from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.rollout.placement import SpmdSlot
+    from megatron_dapo.distributed.placement import SpmdSlot
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
     out: dict = {}
