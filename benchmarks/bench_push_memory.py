@@ -65,7 +65,7 @@ def save_model(path: Path, args) -> None:
 
 def before_engine_load(engine, weights) -> None:
     """`VLLMEngine.load_weights` (spmd) before: every bucket moved to host memory, contiguous."""
-    from megatron_dapo.rollout.sync.bucketing import iter_buckets
+    from megatron_dapo.model.bucketing import iter_buckets
 
     engine._weights_awake_llm()
     for bucket in iter_buckets(weights, engine._bucket_bytes, device="cpu", contiguous=True):

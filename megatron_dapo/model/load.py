@@ -55,7 +55,7 @@ from megatron_dapo.model.mapping import (
     global_layer_index,
     layer_location,
 )
-from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes
+from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes
 
 __all__ = ["export_megatron_to_hf", "load_hf_into_megatron", "rank_slices", "read_rank_shard"]
 

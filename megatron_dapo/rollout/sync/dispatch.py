@@ -36,7 +36,7 @@ import torch
 
 from megatron_dapo.distributed.placement import SYNC_MODES, check_sync_mode
 from megatron_dapo.rollout.sync import gather, shards
-from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, MIB, bucket_limit_bytes, bucket_stream, tensor_item_nbytes
+from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, MIB, bucket_limit_bytes, bucket_stream, tensor_item_nbytes
 from megatron_dapo.rollout.sync.shards import EngineShard
 
 __all__ = ["SYNC_MODES", "ShardLoadingEngine", "SyncStats", "choose_sync_mode", "sync_weights"]

@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron_dapo.model import load
-from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes, bucket_stream
+from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes, bucket_stream
 
 __all__ = ["WeightBucket", "iter_full_tensors", "iter_weight_buckets"]
 

@@ -42,7 +42,7 @@ from megatron_dapo.model.mapping import (
     layer_location,
 )
 from megatron_dapo.model.safetensors_format import tensor_nbytes
-from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes, bucket_stream
+from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, bucket_limit_bytes, bucket_stream
 from megatron_dapo.model.builder import layer_spec_of, unwrap_model
 
 __all__ = ["EngineShard", "engine_shards", "full_nbytes", "iter_engine_shards", "iter_weight_shard_buckets"]

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from megatron_dapo.rollout.sync.bucketing import reserve_file_space
+from megatron_dapo.model.bucketing import reserve_file_space
 from megatron_dapo.rollout.sync.shards import EngineShard
 from megatron_dapo.model.safetensors_format import safetensors_header
 from megatron_dapo.distributed.objects import broadcast_object, gather_objects

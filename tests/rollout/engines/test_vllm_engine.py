@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.sync.bucketing import iter_buckets, write_safetensors
+from megatron_dapo.model.bucketing import iter_buckets, write_safetensors
 from megatron_dapo.rollout.engines.vllm.engine import cpu_thread_binding
 from megatron_dapo.rollout.engines.vllm.io import vllm_sampling_kwargs
 from tiny_models import build_random_model

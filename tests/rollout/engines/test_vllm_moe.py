@@ -24,7 +24,7 @@ import torch
 
 from megatron_dapo.model.hf_experts import expert_slot
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.sync.bucketing import iter_buckets
+from megatron_dapo.model.bucketing import iter_buckets
 from tiny_models import load_hf_model, save_tiny_model
 from vllm_engines import start_test_engine, usable_tp
 

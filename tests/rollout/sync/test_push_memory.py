@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.sync.bucketing import write_safetensors
+from megatron_dapo.model.bucketing import write_safetensors
 from megatron_dapo.rollout.sync.storage_ledger import StorageLedger
 from tiny_models import build_random_model
 from torchrun_utils import run_torchrun_script
@@ -75,7 +75,7 @@ def test_ledger_ignores_memory_mapped_file_writes(tmp_path):
 def test_bucket_device():
     """In-process engines take buckets where their parameters are (a GPU push never touches the host);
     a bucket file is written straight from each tensor's own device (the file is the one host copy)."""
-    from megatron_dapo.rollout.sync.bucketing import bucket_device
+    from megatron_dapo.model.bucketing import bucket_device
 
     cuda, cpu = torch.device("cuda", 3), torch.device("cpu")
     assert bucket_device(in_process=True, engine_device=cuda) == cuda

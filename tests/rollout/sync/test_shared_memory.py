@@ -10,7 +10,7 @@ import torch
 
 from megatron_dapo.model.arch_tables import ARCH_TABLES
 from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
-from megatron_dapo.rollout.sync.bucketing import bucket_stream
+from megatron_dapo.model.bucketing import bucket_stream
 from megatron_dapo.rollout.sync.shards import EngineShard, engine_shards
 from megatron_dapo.rollout.sync.shared_memory import iter_safetensors, write_shards_into_bucket_file
 from shard_shapes import SHARD_SHAPE, hf_tensor

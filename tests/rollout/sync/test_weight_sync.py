@@ -23,7 +23,7 @@ own read-back (`VLLMEngine.named_weights`, which reads the weights through its k
 vLLM the test skips, except under CI (`tests/ci.py`: CI=true, 1 or yes) where it fails.
 
 The three launches start two at a time (`launches`). The parts that need no process group run in
-one process: bucketing (test_bucketing.py), the TP-shard rule (test_shards.py), the dispatcher
+one process: bucketing (tests/model/test_bucketing.py), the TP-shard rule (test_shards.py), the dispatcher
 (test_dispatch.py).
 """
 

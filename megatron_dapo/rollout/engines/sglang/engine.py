@@ -99,7 +99,7 @@ from safetensors.torch import load_file
 from megatron_dapo.rollout.engines.process_state import temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
-from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, iter_buckets
+from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, iter_buckets
 from megatron_dapo.compat.versions import require as require_version
 from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 

@@ -78,7 +78,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
-from megatron_dapo.rollout.sync.bucketing import DEFAULT_BUCKET_MB, bucket_device, iter_buckets, write_safetensors
+from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, bucket_device, iter_buckets, write_safetensors
 from megatron_dapo.rollout.engines.vllm.io import collect_outputs, vllm_sampling_kwargs
 from megatron_dapo.compat.versions import require as require_version
 from megatron_dapo.rollout.engines.vllm.launch import (

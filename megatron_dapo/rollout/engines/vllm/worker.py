@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_dapo.rollout.engines.vllm.experts import expert_shards, is_routed_experts, repack_cpu_experts_on_reload
-from megatron_dapo.rollout.sync.bucketing import write_safetensors
+from megatron_dapo.model.bucketing import write_safetensors
 
 # vLLM is an optional install and this module is also imported where it is absent (the trainer names
 # the class to vLLM): vLLM's modules are imported inside the methods, which run in vLLM's workers.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dapo.rollout.sync.bucketing import bucket_stream
+from megatron_dapo.model.bucketing import bucket_stream
 
 
 def _pairs(sizes):
