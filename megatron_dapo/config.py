@@ -38,7 +38,7 @@ from megatron_dapo.distributed.layout import (
     validate_expert_parallel,
 )
 from megatron_dapo.errors import ConfigError, InputError  # noqa: F401  (ConfigError: public here too)
-from megatron_dapo.distributed.placement import PlacementError, check_sync_mode, resolve_placement
+from megatron_dapo.distributed.placement import Placement, PlacementError, WeightSyncMode, check_sync_mode, resolve_placement
 
 __all__ = [
     "ActorConfig",
@@ -178,7 +178,7 @@ class RolloutConfig:
     GPU engines only, a no-op on CPU)."""
     weight_sync_bucket_mb: int = 512
     """Bucket size of the actor -> engine weight stream; peak extra memory is one bucket."""
-    weight_sync_mode: Literal["auto", "gather", "shared_memory", "tp_shards"] = "auto"
+    weight_sync_mode: WeightSyncMode = "auto"
     """How TP shards reach the engine: "gather" (all-gather full tensors, then the engine's owner -
     with placement spmd every rank - loads them), "shared_memory" (leader placement: each TP rank
     writes its own slices into a shared bucket file in /dev/shm that the engine reads: no gather;
@@ -186,7 +186,7 @@ class RolloutConfig:
     each rank loads its own slices into its own in-process engine: no gather, no file) or "auto"
     (spmd: tp_shards when rollout.tp = parallel.tp > 1, else gather; leader: shared_memory when
     the actor's TP > 1 and its TP group is on one node, else gather)."""
-    placement: Literal["auto", "spmd", "leader"] = "auto"
+    placement: Placement = "auto"
     """Where engines run. "spmd": every rank holds its shard of one engine per rollout-TP group of
     rollout.tp consecutive ranks (vLLM's external_launcher), and the groups split the prompts
     (vLLM only). "leader": one engine per data-parallel replica on its first rank, which spawns

@@ -28,15 +28,18 @@ The sizes (rollout.tp >= 1 and dividing the world) are rules of `distributed.lay
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, get_args
 
 from megatron_dapo.distributed.layout import check_rollout_tp, check_sizes
 from megatron_dapo.errors import InputError
 
-PLACEMENT_CHOICES = ("auto", "spmd", "leader")
+Placement = Literal["auto", "spmd", "leader"]
+"""`rollout.placement` (config.py types the key with it: the one list of values)."""
+WeightSyncMode = Literal["auto", "gather", "shared_memory", "tp_shards"]
+"""`rollout.weight_sync_mode` (config.py types the key with it; `choose_sync_mode` picks for "auto")."""
+PLACEMENT_CHOICES = get_args(Placement)
+SYNC_MODES = get_args(WeightSyncMode)
 SPMD_ENGINES = ("vllm",)
-SYNC_MODES = ("auto", "gather", "shared_memory", "tp_shards")
-"""`rollout.weight_sync_mode` values (`rollout.sync.dispatch.choose_sync_mode` picks for "auto")."""
 
 
 class PlacementError(InputError, ValueError):
@@ -59,8 +62,8 @@ def resolve_placement(requested: str, engine: str) -> str:
 
 def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Optional[int]) -> None:
     """The rules between `rollout.weight_sync_mode` and the placement, which need no host names:
-    `PlacementError` naming the keys for a mode the placement cannot use. One home for them: the
-    config checks them at load and `choose_sync_mode` again where it decides."""
+    `PlacementError` naming the keys for a mode the placement cannot use. The config checks them at
+    load; `choose_sync_mode`, which also knows the hosts, starts with them."""
     if requested not in SYNC_MODES:
         raise PlacementError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
     if placement == "spmd":
@@ -78,6 +81,44 @@ def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Op
             "rollout.weight_sync_mode=tp_shards needs the spmd placement (rollout.engine=vllm, rollout.placement auto or spmd): "
             "use auto, gather or shared_memory"
         )
+
+
+def choose_sync_mode(
+    requested: str,
+    tp_size: int,
+    tp_group_hosts: Sequence[str],
+    engine_kind: str,
+    device_type: str,
+    placement: str = "leader",
+    rollout_tp: Optional[int] = None,
+) -> str:
+    """The weight-sync mode for `rollout.weight_sync_mode=requested`; pure, the same on every rank.
+
+    `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
+    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises `PlacementError`
+    for a mode the placement or the hosts cannot use. "auto": spmd -> tp_shards when rollout TP =
+    actor TP > 1, else gather; leader -> shared_memory when the actor's TP > 1 and the leader's TP
+    group shares a node, except for the embedded engine on a GPU (there the NCCL gather lands
+    directly in GPU memory, while the file path would go through host memory); otherwise gather.
+    """
+    check_sync_mode(requested, placement, tp_size, rollout_tp)
+    if placement == "spmd":
+        if requested == "auto":
+            return "tp_shards" if rollout_tp == tp_size > 1 else "gather"
+        return requested
+    one_node = len(set(tp_group_hosts)) <= 1
+    if requested == "gather":
+        return "gather"
+    if requested == "shared_memory":
+        if not one_node:
+            raise PlacementError(
+                f"rollout.weight_sync_mode=shared_memory needs the TP group on one node; it spans {sorted(set(tp_group_hosts))} "
+                "(use gather or auto)"
+            )
+        return "shared_memory"
+    if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
+        return "shared_memory"
+    return "gather"
 
 
 @dataclass(frozen=True)

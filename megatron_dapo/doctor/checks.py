@@ -27,8 +27,7 @@ from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.socket_interfaces import is_loopback, nccl_interface_matches
 from megatron_dapo.compat.versions import REQUIREMENTS, VersionRange
 from megatron_dapo.plan import ClusterShape, actor_memory, hf_parameter_count, plan_memory, resolve_model
-from megatron_dapo.distributed.placement import resolve_placement
-from megatron_dapo.rollout.sync.dispatch import choose_sync_mode
+from megatron_dapo.distributed.placement import choose_sync_mode, resolve_placement
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "FAIL", "skip"
 GIB = float(2**30)
@@ -519,7 +518,7 @@ def space_facts(path: str | os.PathLike) -> Optional[SpaceFacts]:
 
 def shm_need(cfg: Any, tasks_per_node: int, host: str) -> tuple[int, str]:
     """Bytes of /dev/shm a node needs, and why: NCCL / vLLM / gloo per task, plus the weight-sync
-    bucket files the config's sync writes there (`rollout.sync.dispatch.choose_sync_mode`, the leader
+    bucket files the config's sync writes there (`distributed.placement.choose_sync_mode`, the leader
     placement's vLLM transfer files)."""
     base = max(SHM_MIN_GIB * GIB, tasks_per_node * SHM_PER_TASK_MIB * MIB)
     why = f"{tasks_per_node} task(s) x {SHM_PER_TASK_MIB} MiB for NCCL/vLLM/gloo (at least {SHM_MIN_GIB:.0f} GiB)"

@@ -26,7 +26,7 @@ of these modes (`rollout.weight_sync_mode`, decided at the first sync, identical
 * "tp_shards" (spmd, rollout TP = actor TP): each rank loads its own slices into its own
   in-process engine (`sync/tp_shards.py`): no gather, no file.
 
-"auto" picks one of them (`sync.dispatch.choose_sync_mode`).
+"auto" picks one of them (`distributed.placement.choose_sync_mode`).
 
 Devices (GPU runs): every engine computes on GPUs of its own ranks (`placement.assign_engine_devices`,
 decided from every rank's GPU at start, identically on every rank): a leader's vLLM processes get
@@ -56,11 +56,12 @@ from megatron_dapo.distributed.placement import (
     RankGpu,
     SpmdSlot,
     assign_engine_devices,
+    choose_sync_mode,
     replica_groups,
     resolve_placement,
 )
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
-from megatron_dapo.rollout.sync.dispatch import choose_sync_mode, sync_weights
+from megatron_dapo.rollout.sync.dispatch import sync_weights
 from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
 from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
 

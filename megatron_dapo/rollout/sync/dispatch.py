@@ -14,7 +14,7 @@ One module per mode streams the actor's Megatron shards as HF-named tensors:
 * "tp_shards" (`tp_shards.py`, spmd placement with rollout TP = actor TP): each rank loads its own
   slices into its own in-process engine shard: no gather, no file.
 
-`choose_sync_mode` turns the configured value ("auto" included) into one of them, identically on
+`distributed.placement.choose_sync_mode` turns the configured value ("auto" included) into one of them, identically on
 every rank; `RolloutGroup` makes the target (the engine, a `SharedMemoryHandover` or an
 `InProcessShardTarget`) and calls `sync_weights`, which cuts the stream into buckets of at most
 ``bucket_mb`` MiB (`bucketing.bucket_stream`, the rule every weight path shares) and hands each
@@ -34,52 +34,11 @@ from typing import Any, Iterable, Optional, Protocol, Sequence, Union
 
 import torch
 
-from megatron_dapo.distributed.placement import SYNC_MODES, check_sync_mode
 from megatron_dapo.rollout.sync import gather, shards
 from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, MIB, bucket_limit_bytes, bucket_stream, tensor_item_nbytes
 from megatron_dapo.rollout.sync.shards import EngineShard
 
-__all__ = ["SYNC_MODES", "ShardLoadingEngine", "SyncStats", "choose_sync_mode", "sync_weights"]
-
-"""The values of `rollout.weight_sync_mode`."""
-
-
-def choose_sync_mode(
-    requested: str,
-    tp_size: int,
-    tp_group_hosts: Sequence[str],
-    engine_kind: str,
-    device_type: str,
-    placement: str = "leader",
-    rollout_tp: Optional[int] = None,
-) -> str:
-    """The weight-sync mode for `rollout.weight_sync_mode=requested`; pure.
-
-    `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
-    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises ValueError for a
-    mode the placement cannot use (`PlacementError`, a ValueError). "auto": spmd -> tp_shards when rollout TP = actor TP > 1, else
-    gather; leader -> shared_memory when the actor's TP > 1 and the leader's TP group shares a node,
-    except for the embedded engine on a GPU (there the NCCL gather lands directly in GPU memory,
-    while the file path would go through host memory); otherwise gather.
-    """
-    check_sync_mode(requested, placement, tp_size, rollout_tp)
-    if placement == "spmd":
-        if requested == "auto":
-            return "tp_shards" if rollout_tp == tp_size > 1 else "gather"
-        return requested
-    one_node = len(set(tp_group_hosts)) <= 1
-    if requested == "gather":
-        return "gather"
-    if requested == "shared_memory":
-        if not one_node:
-            raise ValueError(
-                f"rollout.weight_sync_mode=shared_memory needs the TP group on one node; it spans {sorted(set(tp_group_hosts))} "
-                "(use gather or auto)"
-            )
-        return "shared_memory"
-    if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
-        return "shared_memory"
-    return "gather"
+__all__ = ["ShardLoadingEngine", "SyncStats", "sync_weights"]
 
 
 class ShardLoadingEngine(Protocol):

@@ -22,7 +22,7 @@ rank 0); no rank ever holds a full copy of a split parameter; the only TP commun
 small synchronisations per bucket. The file of one bucket is the only extra memory, and the owner
 removes it once the engine has it, before any rank starts the next one (peak = one bucket).
 
-Requirements: the TP group shares one node (/dev/shm is per node; `dispatch.choose_sync_mode` checks host names
+Requirements: the TP group shares one node (/dev/shm is per node; `distributed.placement.choose_sync_mode` checks host names
 and otherwise keeps the gather path). On GPUs each rank copies its shards to host memory (in
 parallel), which is where engines in other processes (vLLM, SGLang) receive weights from anyway.
 """

@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, check_memory_tags
-from megatron_dapo.rollout.sync.dispatch import choose_sync_mode
-from megatron_dapo.distributed.placement import SpmdSlot, resolve_placement
+from megatron_dapo.distributed.placement import SpmdSlot, choose_sync_mode, resolve_placement
 from megatron_dapo.rollout.engines.process_state import get_memory_policy, preserved_process_state
 from tiny_models import build_random_model
 from torchrun_utils import run_torchrun_script

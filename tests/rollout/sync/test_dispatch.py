@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.rollout.sync.dispatch import SyncStats, choose_sync_mode, sync_weights
+from megatron_dapo.distributed.placement import choose_sync_mode
+from megatron_dapo.rollout.sync.dispatch import SyncStats, sync_weights
 
 
 def test_sync_stats_throughput():
