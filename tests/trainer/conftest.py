@@ -43,6 +43,14 @@ def demo_workspace(tmp_path_factory) -> dict[str, Path]:
     return prepare_workspace(tmp_path_factory.mktemp("demo-workspace"), seed=7, num_train=200, num_val=8)
 
 
+@pytest.fixture(scope="session")
+def moe_workspace(tmp_path_factory) -> dict[str, Path]:
+    """The demo's workspace with its tiny Qwen3-MoE (the MoE training and routing-replay runs)."""
+    from megatron_dapo.cli.demo import prepare_workspace
+
+    return prepare_workspace(tmp_path_factory.mktemp("moe-workspace"), seed=7, num_train=200, num_val=8, model="moe")
+
+
 def workspace_overrides(paths: dict[str, Path], output_dir: Path) -> list[str]:
     return [
         f"model.hf_dir={paths['model']}",

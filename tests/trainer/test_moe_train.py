@@ -28,13 +28,6 @@ STEPS = ["trainer.total_steps=2", "trainer.save_every=1", "moe.z_loss_coeff=0.00
 
 
 @pytest.fixture(scope="module")
-def moe_workspace(tmp_path_factory) -> dict[str, Path]:
-    from megatron_dapo.cli.demo import prepare_workspace
-
-    return prepare_workspace(tmp_path_factory.mktemp("moe-workspace"), seed=7, num_train=200, num_val=8, model="moe")
-
-
-@pytest.fixture(scope="module")
 def runs(moe_workspace, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe-runs")
     out = {f"ep{ep}": root / f"ep{ep}" for ep in (1, 2)}

@@ -26,13 +26,6 @@ ROUTING_KEYS = ("rollout_mismatch/routing_token_frac", "rollout_mismatch/routing
 
 
 @pytest.fixture(scope="module")
-def moe_workspace(tmp_path_factory) -> dict[str, Path]:
-    from megatron_dapo.cli.demo import prepare_workspace
-
-    return prepare_workspace(tmp_path_factory.mktemp("replay-workspace"), seed=7, num_train=200, num_val=8, model="moe")
-
-
-@pytest.fixture(scope="module")
 def bf16_runs(moe_workspace, tmp_path_factory) -> dict[str, dict[int, dict]]:
     root = tmp_path_factory.mktemp("replay-runs")
     metrics = {}
