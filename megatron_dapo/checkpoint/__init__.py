@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointMismatchError",
     "LoadedCheckpoint",
     "NoIntactCheckpointError",
+    "UnsafeCheckpointError",
     "find_latest",
     "is_complete_checkpoint",
     "list_checkpoints",
@@ -38,7 +39,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # core imports torch and torch_dist imports Megatron: load them on first use only.
-    if name in ("CheckpointCorruptError", "CheckpointError", "NoIntactCheckpointError"):
+    if name in ("CheckpointCorruptError", "CheckpointError", "NoIntactCheckpointError", "UnsafeCheckpointError"):
         from megatron_dapo.checkpoint import errors
 
         return getattr(errors, name)

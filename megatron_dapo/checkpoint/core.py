@@ -84,7 +84,7 @@ from megatron_dapo.checkpoint.optimizer_state import (
 from megatron_dapo.checkpoint.errors import CheckpointCorruptError, CheckpointError, NoIntactCheckpointError
 import megatron_dapo
 from megatron_dapo.checkpoint.layout import list_checkpoints
-from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_dapo.checkpoint.rng import capture_rng_state, read_rng_file, restore_rng_state
 from megatron_dapo.checkpoint.torch_dist import (
     CheckpointLayoutError,
     CheckpointMismatchError,
@@ -651,7 +651,7 @@ def load_checkpoint(
         elif not rng_file.is_file():
             raise CheckpointCorruptError(f"{rng_file} is missing: the checkpoint is damaged")
         else:
-            restore_rng_state(torch.load(rng_file, weights_only=False))
+            restore_rng_state(read_rng_file(rng_file))  # weights_only: a planted pickle runs nothing
             rng_restored = True
 
     trainer_state = {}

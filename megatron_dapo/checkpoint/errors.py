@@ -3,7 +3,7 @@
 
 from megatron_dapo.errors import StopError
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "NoIntactCheckpointError"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "NoIntactCheckpointError", "UnsafeCheckpointError"]
 
 
 class CheckpointError(StopError, RuntimeError):
@@ -19,3 +19,10 @@ class CheckpointCorruptError(CheckpointError, FileNotFoundError):
 
 class NoIntactCheckpointError(CheckpointCorruptError):
     """Resuming found checkpoints, but every one of them is damaged (the message lists why)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would run code when loaded (a pickle that is not data): refused unread.
+
+    Not a CheckpointCorruptError: `--resume` does not quietly fall back past it; someone wrote into
+    the checkpoint directory, and the user must look."""
