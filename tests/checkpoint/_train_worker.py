@@ -349,6 +349,16 @@ def _strip_checksums(checkpoint: Path) -> None:
     meta_file.write_text(json.dumps(meta))
 
 
+class _Payload:
+    """A pickle that runs code when loaded: it creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
 def _damage(case: str, root: Path) -> str:
     """Damage the copy `root` (steps 1 and 2) as `case` says; returns what was damaged."""
     step1, step2 = root / "step_00000001", root / "step_00000002"
@@ -381,6 +391,10 @@ def _damage(case: str, root: Path) -> str:
         if not victim.exists():
             return "absent"
         victim.unlink()
+    elif case == "planted_rng_pickle":  # someone with write access to the scratch directory, manifest edited too
+        _strip_checksums(step2)
+        victim = step2 / "rng" / "rank_00000.pt"
+        torch.save({"payload": _Payload(root / "PAYLOAD_RAN")}, victim)
     elif case == "all_damaged":
         for step in (step1, step2):
             _truncate(_largest_distcp(step))
@@ -419,6 +433,7 @@ def damaged_checkpoints(model_dir: str, root: str, work: str, cases: list) -> di
         except Exception as err:  # what the test asserts on: the type and the message
             entry["error"] = f"{type(err).__name__}: {err}"
             entry["error_types"] = [c.__name__ for c in type(err).__mro__]
+        entry["payload_ran"] = (target / "PAYLOAD_RAN").exists()
         out["cases"][case] = entry
 
     target = Path(work) / "direct"

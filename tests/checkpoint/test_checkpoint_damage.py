@@ -29,6 +29,7 @@ CASES = [
     "latest_to_missing_dir",
     "missing_metadata_json",
     "old_format_missing_common_pt",
+    "planted_rng_pickle",
     "all_damaged",
 ]
 
@@ -120,3 +121,13 @@ def test_a_damaged_checkpoint_named_directly_is_a_named_error(outcome):
     if missing == "absent":
         pytest.skip("this megatron-core writes no common.pt")
     assert missing.startswith("CheckpointCorruptError") and "dist/common.pt" in missing and "AttributeError" not in missing
+
+
+def test_a_pickle_planted_in_the_rng_states_is_refused_and_runs_nothing(outcome):
+    """Checkpoints usually sit on shared scratch: a pickle written into rng/rank_00000.pt (with the
+    checksums edited to match) stops the resume with a named error; its code never runs."""
+    entry = outcome["cases"]["planted_rng_pickle"]
+    assert entry["error"].startswith("UnsafeCheckpointError: ") and "rng/rank_00000.pt" in entry["error"], entry
+    assert "asks to run code while loading" in entry["error"]
+    assert "CheckpointCorruptError" not in entry["error_types"]  # no quiet fall-back past it
+    assert entry["payload_ran"] is False
