@@ -275,10 +275,6 @@ def _patched_or_pending(module_name: str) -> bool:
     return loaded is not None and AFTER_IMPORT_PATCHES[module_name][2](loaded)
 
 
-def _host_pool_patched() -> bool:
-    return _patched_or_pending(HOST_POOL_MODULE)
-
-
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
     """Runs a module's patch of AFTER_IMPORT_PATCHES right after it is imported (first on sys.meta_path)."""
 
