@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_actor import make_batch  # noqa: E402
 
 from megatron_dapo.config import Config  # noqa: E402
-from megatron_dapo.distributed import init_distributed, teardown  # noqa: E402
+from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown  # noqa: E402
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -116,7 +116,7 @@ class ParallelStates:
     def set_up(self, name: str, ep: int):
         """`init_distributed` for DP=2 x EP=`ep` from pristine globals; the layout becomes the active one."""
         self._restore({k: (type(v)() if isinstance(v, (dict, list)) else v) for k, v in self.pristine.items()})
-        parallel = types.SimpleNamespace(tp=1, pp=1, vpp=None, cp=1, ep=ep)
+        parallel = ParallelLayout(ep=ep)
         ctx = init_distributed(parallel, timeout_s=600, seed=0)
         self.saved[name] = self._snapshot()
         return ctx

@@ -195,6 +195,7 @@ def main() -> None:
     from megatron_dapo.rollout.sync.storage_ledger import StorageLedger, weight_path_ledger
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
     from megatron_dapo.rollout.sync.dispatch import sync_weights
+    from megatron_dapo.rollout.sync.tp_shards import InProcessShards
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     ctx = init_distributed(ParallelLayout(tp=2, pp=1), timeout_s=1800, seed=0)
@@ -214,11 +215,11 @@ def main() -> None:
     slot = SpmdSlot(dist.get_rank(), dist.get_world_size(), 2)
     group = RolloutGroup(engine, sync_mode="tp_shards", engine_kind="vllm", spmd=slot)
     group.sync_weights(models, hf_cfg, args.bucket_mb)  # makes the target
-    before_target = BeforeShardTarget(group._in_process_target())
+    before_target = InProcessShards(BeforeShardTarget(group.transport.target))
     before_gather = BeforeGatherEngine(engine)
     pushes = {
         "tp_shards after": lambda: group.sync_weights(models, hf_cfg, args.bucket_mb),
-        "tp_shards before": lambda: sync_weights(models, hf_cfg, before_target, bucket_mb=args.bucket_mb, tp_shards=True),
+        "tp_shards before": lambda: sync_weights(models, hf_cfg, before_target, bucket_mb=args.bucket_mb),
         "gather after": lambda: sync_weights(models, hf_cfg, engine, bucket_mb=args.bucket_mb),
         "gather before": lambda: sync_weights(models, hf_cfg, before_gather, bucket_mb=args.bucket_mb),
     }

@@ -8,7 +8,8 @@ never silently falls back to a default after an hour in a queue. YAML values may
 interpolation (`${rollout.max_response_length}`); overrides are parsed as YAML scalars
 (`trainer.total_steps=10` is an int, `model.megatron_checkpoint=null` is None).
 
-The data-parallel size is not a key: it is derived from the world size (`Config.resolve_world`).
+The data-parallel size is not a key: it is derived from the world size by the run's `ParallelLayout`
+(`Config.parallel_layout`, built once at start-up and passed down).
 The rules on the parallel sizes (against each other, the model and the world) belong to
 `distributed/layout.py`, the rollout placement to `distributed/placement.py`; this module applies them
 to the config and reports a broken one as a ConfigError.
@@ -29,16 +30,15 @@ from typing import Any, Literal, Optional
 from megatron_dapo.algorithm.defaults import CLIP_C, CLIP_HIGH, CLIP_LOW
 from megatron_dapo.distributed.layout import (
     LayoutError,
+    ParallelLayout,
+    Placement,
+    PlacementError,
     check_batch_split,
-    check_model_shape,
-    check_rollout_tp,
-    check_sizes,
-    check_world_size,
     check_expert_dispatcher,
-    validate_expert_parallel,
+    check_moe_sequence_parallel,
 )
+from megatron_dapo.distributed.placement import WeightSyncMode, check_sync_mode
 from megatron_dapo.errors import ConfigError, InputError  # noqa: F401  (ConfigError: public here too)
-from megatron_dapo.distributed.placement import Placement, PlacementError, WeightSyncMode, check_sync_mode, resolve_placement
 
 __all__ = [
     "ActorConfig",
@@ -392,9 +392,16 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
+    def parallel_layout(self, world_size: int) -> ParallelLayout:
+        """The run's layout for `world_size` processes (`ParallelLayout`, checked against the world and
+        the batches); sets the derived `parallel.dp`. Built once at start-up and passed down."""
+        layout = parallel_layout(self, world_size)
+        self.parallel.dp = layout.dp
+        return layout
+
     def resolve_world(self, world_size: int) -> "Config":
-        """Derive the data-parallel size from the world size and check the layout fits it."""
-        self.parallel.dp = validate_world(self, world_size)
+        """Check the layout fits `world_size` processes and derive `parallel.dp`; returns the config."""
+        self.parallel_layout(world_size)
         return self
 
 
@@ -633,8 +640,7 @@ def validate(cfg: Config) -> None:
     """Checks that need only the config (and the model's config.json when it is readable)."""
     p, r, a, t, o = cfg.parallel, cfg.rollout, cfg.algorithm, cfg.trainer, cfg.optimizer
     with _config_errors():
-        check_sizes(p.tp, p.pp, p.cp, p.vpp, r.tp)
-        validate_expert_parallel(p.ep)
+        layout = ParallelLayout.from_config(cfg)  # every size >= 1, the placement the engine can take
         check_expert_dispatcher(cfg.moe.token_dispatcher, p.pp, p.ep)
     for key in ("aux_loss_coeff", "z_loss_coeff"):
         value = getattr(cfg.moe, key)
@@ -653,7 +659,7 @@ def validate(cfg: Config) -> None:
     _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
     _require(r.sleep_level in (1, 2), f"'rollout.sleep_level' must be 1 or 2, got {r.sleep_level}")
     with _config_errors():
-        check_sync_mode(r.weight_sync_mode, resolve_placement(r.placement, r.engine), p.tp, r.tp)
+        check_sync_mode(r.weight_sync_mode, layout.placement, layout.tp, layout.rollout_tp)
 
     _require(cfg.sft.total_steps >= 0, f"'sft.total_steps' must be >= 0, got {cfg.sft.total_steps}")
     _require(cfg.sft.batch_size >= 1, f"'sft.batch_size' must be >= 1, got {cfg.sft.batch_size}")
@@ -781,19 +787,18 @@ def skipped_model_checks(cfg: Config) -> Optional[str]:
 
 
 def validate_model_shape(cfg: Config, hf_config: dict) -> None:
-    """Parallel sizes against the model's shape (`layout.check_model_shape`) from its HF config.json."""
+    """Parallel sizes against the model's shape (`ParallelLayout.validate`) from its HF config.json."""
     heads = int(hf_config.get("num_attention_heads", 0) or 0)
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     with _config_errors():
-        check_model_shape(
-            cfg.parallel.tp,
-            cfg.parallel.pp,
-            cfg.parallel.vpp,
+        ParallelLayout.from_config(cfg).validate(
+            num_layers=int(hf_config.get("num_hidden_layers", 0) or 0),
             num_attention_heads=heads,
             num_query_groups=int(hf_config.get("num_key_value_heads", heads) or heads),
-            num_layers=int(hf_config.get("num_hidden_layers", 0) or 0),
+            num_experts=experts,
         )
-        experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
-        validate_expert_parallel(cfg.parallel.ep, num_experts=experts, tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+        if experts:
+            check_moe_sequence_parallel(cfg.parallel.tp, cfg.parallel.sequence_parallel)
     _require(
         cfg.actor.router_replay == "off" or experts > 0,
         f"'actor.router_replay'={cfg.actor.router_replay} replays mixture-of-experts routing, but 'model.hf_dir' "
@@ -809,16 +814,15 @@ def engine_returns_routing(cfg: Config, is_moe: bool) -> bool:
     return is_moe and wanted
 
 
-def validate_world(cfg: Config, world_size: int) -> int:
-    """Checks that need the number of processes (pre-flight, before any model loads); returns the
-    data-parallel size."""
-    p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
+def parallel_layout(cfg: Config, world_size: int) -> ParallelLayout:
+    """The run's `ParallelLayout` for `world_size` processes, after every check that needs the number
+    of processes (pre-flight, before any model loads): the sizes against the world, and the batches
+    split evenly over its data-parallel ranks."""
+    t, r = cfg.trainer, cfg.rollout
     with _config_errors():
-        dp = check_world_size(world_size, p.tp, p.pp, p.cp)
-        validate_expert_parallel(p.ep, world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp)
-        check_rollout_tp(world_size, r.tp)
+        layout = ParallelLayout.from_config(cfg, world_size)
         check_batch_split(
-            dp,
+            layout.dp,
             ppo_mini_batch_size=t.ppo_mini_batch_size,
             n=r.n,
             micro_batch_size=t.micro_batch_size,
@@ -826,4 +830,4 @@ def validate_world(cfg: Config, world_size: int) -> int:
             gen_batch_size=t.gen_batch_size,
             train_batch_size=t.train_batch_size,
         )
-    return dp
+    return layout

@@ -59,7 +59,6 @@ from megatron_dapo.checkpoint.template import checkpoint_template
 from megatron_dapo.checkpoint.torch_dist import stored_entries
 from megatron_dapo.compat.megatron_core import store_common_state
 from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
-from megatron_dapo.distributed.layout import experts_per_rank
 from megatron_dapo.errors import InputError, StopError
 from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.builder import build_gpt_models, check_against_hf
@@ -283,10 +282,9 @@ def _read_hf_tensor(reader, name: str) -> "torch.Tensor":
 
 
 def _validate_layout(cfg, tp: int, pp: int, vpp: Optional[int], ep: int = 1):
-    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     try:
-        layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
-        experts_per_rank(cfg.num_experts, ep)
+        layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts)
     except ValueError as error:  # the layout's rule, said about this model and these flags
         raise ConversionError(str(error)) from None
     return layout
@@ -398,7 +396,7 @@ def convert_hf_to_megatron(
             0,
             contents={"model": True, "optimizer": None, "optimizer_sharding": None, "scheduler": False,
                       "rng": False, "trainer_state": False, "hf_files": True},
-            layout={"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": 1, "ep": ep, "dp": None, "world_size": None},
+            layout={"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": 1, "ep": layout.ep, "dp": None, "world_size": None},
             model={"num_chunks": layout.vpp_size, "dtype": str(out_dtype).replace("torch.", ""),
                    "hf_config": json.loads((hf_dir / "config.json").read_text())},
             converted_from={"hf_dir": str(hf_dir.resolve()), "parameters": totals["tensors"]},

@@ -4,7 +4,7 @@
     python tools/check_sync.py --hf-dir tiny --engine embedded --tp 2
 
 The first thing to run after changing the engine, vLLM / torch / Megatron versions or the parallel
-layout; what it checks is in `megatron_dapo.rollout.sync.check`. This module is the command: its
+layout; what it checks is in `megatron_dapo.trainer.check_sync`. This module is the command: its
 options, and the processes. Run as a plain command it starts the TP x PP processes itself
 (re-executing `-m megatron_dapo.cli check-sync` under `torch.distributed.run`, gloo on CPU / NCCL
 on GPUs) and reads rank 0's verdict from a file; under torchrun or srun it uses the ranks it is
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if not launched and nproc > 1:
         return EXIT_PASS if _relaunch(args, nproc) else EXIT_FAIL
 
-    from megatron_dapo.rollout.sync.check import run_check
+    from megatron_dapo.trainer.check_sync import run_check
 
     if not launched:
         return EXIT_PASS if run_check(args, env={}) else EXIT_FAIL  # one process, no launcher: a private world of one

@@ -49,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         # Every check that needs no model runs before the trainer is imported: it loads torch,
         # Megatron and transformers (~10 s on a laptop), which a refused config never needs.
-        layout_text = preflight(cfg, launch_world_size(), resume=args.resume, overwrite=args.overwrite)
+        layout = preflight(cfg, launch_world_size(), resume=args.resume, overwrite=args.overwrite)
         from megatron_dapo.trainer.loop import train
 
         with stop_on_full_disk(cfg.trainer.output_dir):
-            train(cfg, resume=args.resume, overwrite=args.overwrite, layout_text=layout_text)
+            train(cfg, resume=args.resume, overwrite=args.overwrite, layout=layout)
 
     return guarded(job)
 

@@ -1,11 +1,17 @@
 """The parallel layout of a run: sizes, the rules they must follow, and which ranks form which group.
 
-The one owner of the parallel arithmetic (as torchtitan's ParallelDims is): every rule on the
-sizes (each >= 1, interleaving needs pipeline stages), on the model (heads and query groups by TP,
-layers by PP x VPP) and on the world (TP x PP x CP and rollout.tp divide it; the batches split
-evenly over its data-parallel ranks) is one function here. `config.py` applies them to a loaded
-config, `ParallelLayout.validate` to a layout in code; both report the same message, which names
-the config key, its value and the values that would fit. A rule that fails raises `LayoutError`.
+The one owner of the parallel arithmetic (as torchtitan's ParallelDims is). `ParallelLayout`
+holds every size of a run: the actor's TP, PP, VPP, CP and EP, the derived DP, expert-TP and
+expert-DP, the rollout engines' TP and their placement. `Config.parallel_layout(world_size)`
+builds it once at start-up (`ParallelLayout.from_config`), and it is passed down: to
+`init_distributed`, the model builder, `plan`, `doctor` and the rollout group; nothing else
+derives a size. Every rule on the sizes (each >= 1, interleaving needs pipeline stages), on the
+model (heads and query groups by TP, layers by PP x VPP, experts by EP) and on the world (TP x PP
+x CP, TP x EP x PP and rollout.tp divide it; the batches split evenly over its data-parallel
+ranks) is one function here. `config.py` applies them to a loaded config, `ParallelLayout.validate`
+to a layout in code; both report the same message, which names the config key, its value and the
+values that would fit. A rule that fails raises `LayoutError`; a placement the engine cannot take
+raises `PlacementError`.
 
 Pure Python (no torch.distributed): the pre-flight check and the `plan` command use it before any
 process group exists. The rank numbering follows Megatron-Core's default order "tp-cp-ep-dp-pp"
@@ -16,8 +22,9 @@ multi-process test checks that against Megatron.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args
 
 from megatron_dapo.errors import InputError
 
@@ -25,7 +32,11 @@ __all__ = [
     "EXPERT_DISPATCHERS",
     "ExpertParallelError",
     "LayoutError",
+    "PLACEMENT_CHOICES",
     "ParallelLayout",
+    "Placement",
+    "PlacementError",
+    "SPMD_ENGINES",
     "check_batch_split",
     "check_expert_dispatcher",
     "check_model_shape",
@@ -35,14 +46,40 @@ __all__ = [
     "check_world_size",
     "divisors",
     "expert_data_parallel_size",
-    "expert_groups",
     "experts_per_rank",
+    "resolve_placement",
     "validate_expert_parallel",
 ]
 
 
 class LayoutError(InputError, ValueError):
     """Parallel sizes that do not fit each other, the model, the world or the batches."""
+
+
+class PlacementError(InputError, ValueError):
+    """A rollout placement the engine or the GPUs cannot hold; the message names the keys to change."""
+
+
+Placement = Literal["auto", "spmd", "leader"]
+"""`rollout.placement` (config.py types the key with it: the one list of values)."""
+PLACEMENT_CHOICES = get_args(Placement)
+SPMD_ENGINES = ("vllm",)
+"""Engines that run SPMD inside the trainer's ranks (vLLM's external launcher)."""
+
+
+def resolve_placement(requested: str, engine: str) -> str:
+    """The placement "spmd" or "leader" that `rollout.placement=requested` means for `rollout.engine=engine`:
+    "auto" is spmd for vLLM (the only engine here that runs SPMD) and leader for the others."""
+    if requested not in PLACEMENT_CHOICES:
+        raise PlacementError(f"unknown rollout.placement {requested!r}; use one of {', '.join(PLACEMENT_CHOICES)}")
+    if requested == "auto":
+        return "spmd" if engine in SPMD_ENGINES else "leader"
+    if requested == "spmd" and engine not in SPMD_ENGINES:
+        raise PlacementError(
+            f"'rollout.placement'=spmd needs rollout.engine={' or '.join(SPMD_ENGINES)} (got {engine!r}): "
+            "use placement auto or leader"
+        )
+    return requested
 
 
 def divisors(n: int) -> list[int]:
@@ -187,151 +224,6 @@ def check_batch_split(
     )
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Tensor / pipeline / virtual-pipeline / context parallel sizes; data-parallel is derived.
-
-    `world_size` is None until the layout is resolved against a launch (`resolve`), after which
-    `dp = world_size / (tp * pp * cp)`.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    world_size: Optional[int] = None
-
-    @classmethod
-    def from_config(cls, parallel_cfg: Any, world_size: Optional[int] = None) -> "ParallelLayout":
-        """Build from any object with tp/pp/vpp/cp attributes (e.g. `config.ParallelConfig`)."""
-        return cls(
-            tp=int(parallel_cfg.tp),
-            pp=int(parallel_cfg.pp),
-            vpp=None if getattr(parallel_cfg, "vpp", None) is None else int(parallel_cfg.vpp),
-            cp=int(getattr(parallel_cfg, "cp", 1)),
-            world_size=world_size,
-        )
-
-    # ------------------------------------------------------------------ sizes
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the model: tp * pp * cp."""
-        return self.tp * self.pp * self.cp
-
-    @property
-    def vpp_size(self) -> int:
-        """Model chunks per pipeline rank (1 without interleaving)."""
-        return 1 if self.vpp is None else self.vpp
-
-    @property
-    def megatron_vpp(self) -> Optional[int]:
-        """The virtual-pipeline size to give Megatron: None without interleaving (vpp null or 1)."""
-        return None if self.vpp is None or self.vpp == 1 else self.vpp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size, derived from the world size."""
-        if self.world_size is None:
-            raise ValueError("the data-parallel size is derived from the world size: call resolve(world_size) first")
-        return self.world_size // self.model_parallel_size
-
-    def resolve(self, world_size: int) -> "ParallelLayout":
-        """This layout for a launch of `world_size` processes, validated."""
-        resolved = ParallelLayout(self.tp, self.pp, self.vpp, self.cp, world_size)
-        resolved.validate(world_size)
-        return resolved
-
-    # ------------------------------------------------------------------ validation
-
-    def validate(
-        self,
-        world_size: Optional[int] = None,
-        num_layers: Optional[int] = None,
-        num_attention_heads: Optional[int] = None,
-        num_query_groups: Optional[int] = None,
-    ) -> None:
-        """Raise `LayoutError` naming the config key and the fix for any size that does not fit.
-
-        Arguments left as None are not checked (the world-size check runs at launch, the model
-        checks once the HF config is read).
-        """
-        check_sizes(self.tp, self.pp, self.cp, self.vpp)
-        if world_size is not None:
-            check_world_size(world_size, self.tp, self.pp, self.cp)
-        check_model_shape(
-            self.tp,
-            self.pp,
-            self.vpp,
-            num_attention_heads=num_attention_heads,
-            num_query_groups=num_query_groups,
-            num_layers=num_layers,
-        )
-
-    # ------------------------------------------------------------------ rank coordinates
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """(tp, cp, dp, pp) ranks of a global rank in Megatron's default "tp-cp-ep-dp-pp" order."""
-        dp = self.dp  # raises if the world size is not resolved
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        tp_rank = rank % self.tp
-        cp_rank = (rank // self.tp) % self.cp
-        dp_rank = (rank // (self.tp * self.cp)) % dp
-        pp_rank = rank // (self.tp * self.cp * dp)
-        return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
-
-    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        """Inverse of `coordinates`."""
-        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
-
-    def groups(self, kind: str) -> list[list[int]]:
-        """All process groups of one kind ("tp", "cp", "dp" or "pp"), each a sorted rank list."""
-        if kind not in ("tp", "cp", "dp", "pp"):
-            raise ValueError(f"unknown group kind {kind!r}")
-        if self.world_size is None:
-            raise ValueError("groups need the world size: call resolve(world_size) first")
-        seen: dict[tuple, list[int]] = {}
-        for rank in range(self.world_size):
-            coords = self.coordinates(rank)
-            key = tuple(v for k, v in coords.items() if k != kind)
-            seen.setdefault(key, []).append(rank)
-        return sorted(seen.values())
-
-    def layers_of_stage(self, num_layers: int, pp_rank: int, vpp_rank: int = 0) -> range:
-        """Global layer indices held by model chunk `vpp_rank` of pipeline rank `pp_rank` (even split)."""
-        per_chunk = num_layers // (self.pp * self.vpp_size)
-        start = vpp_rank * (num_layers // self.vpp_size) + pp_rank * per_chunk
-        return range(start, start + per_chunk)
-
-    def describe(self, num_layers: Optional[int] = None) -> str:
-        """A multi-line description of the resolved layout for the pre-flight print."""
-        if self.world_size is None:
-            return f"tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} (world size not resolved)"
-        lines = [
-            f"world={self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}"
-            + (f" (vpp {self.vpp} chunks per pipeline rank)" if self.vpp else "")
-        ]
-        for kind in ("tp", "cp", "dp", "pp"):
-            size = getattr(self, kind)
-            if size > 1 or kind == "dp":
-                lines.append(f"  {kind.upper()} groups: " + " ".join(str(g) for g in self.groups(kind)))
-        if num_layers is not None and self.pp > 1:
-            for pp_rank in range(self.pp):
-                chunks = []
-                for v in range(self.vpp_size):
-                    layers = self.layers_of_stage(num_layers, pp_rank, v)
-                    chunks.append(f"layers {layers.start}-{layers.stop - 1}")
-                lines.append(f"  PP stage {pp_rank}: " + "; ".join(chunks))
-        if self.cp > 1:
-            chunks = 2 * self.cp
-            lines.append(
-                f"  CP: every sequence is padded to a multiple of {chunks} (x tp under sequence parallelism) and cut "
-                f"into {chunks} chunks; CP rank r holds chunks r and {chunks - 1}-r (Megatron's load-balanced layout)"
-            )
-        return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------
 # Expert parallelism (mixture-of-experts models)
 # ---------------------------------------------------------------------------------------------
@@ -449,19 +341,213 @@ def validate_expert_parallel(
         check_moe_sequence_parallel(tp, sequence_parallel)
 
 
-def expert_groups(layout: "ParallelLayout", ep: int, kind: str) -> list[list[int]]:
-    """Megatron's expert process groups of a resolved layout: "ep" (ranks sharing a layer's experts),
-    "expert_tp" (ranks splitting each expert, = TP ranks) or "expert_dp" (replicas of an expert),
-    each a sorted rank list, in the "tp-ep-dp-pp" order of the expert grid."""
-    if kind not in ("ep", "expert_tp", "expert_dp"):
-        raise ValueError(f"unknown expert group kind {kind!r}")
-    if layout.world_size is None:
-        raise ValueError("groups need the world size: call resolve(world_size) first")
-    tp, pp = layout.tp, layout.pp
-    edp = expert_data_parallel_size(layout.world_size, ep, tp, pp, layout.cp)
-    seen: dict[tuple, list[int]] = {}
-    for rank in range(layout.world_size):
-        coords = {"expert_tp": rank % tp, "ep": (rank // tp) % ep, "expert_dp": (rank // (tp * ep)) % edp, "pp": rank // (tp * ep * edp)}
-        key = tuple(v for k, v in coords.items() if k != kind)
-        seen.setdefault(key, []).append(rank)
-    return sorted(seen.values())
+# ---------------------------------------------------------------------------------------------
+# The layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Every parallel size of a run, built once (`from_config`) and passed down.
+
+    The actor: tensor / pipeline / virtual-pipeline / context / expert parallel sizes; data
+    parallel, expert-TP (= TP, Megatron's default, which we keep) and expert-DP are derived from
+    the world size. The rollout: the engines' TP size and their placement ("leader" or "spmd",
+    resolved from "auto" by the engine). `world_size` is None until the layout is resolved against
+    a launch (`resolve`); the derived sizes need it.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    world_size: Optional[int] = None
+    ep: int = field(default=1, kw_only=True)
+    rollout_tp: int = field(default=1, kw_only=True)
+    placement: str = field(default="leader", kw_only=True)
+    """Resolved rollout placement: "leader" or "spmd" (`resolve_placement`)."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "ParallelLayout":
+        """The layout of a `config.Config` (its `parallel` and `rollout` sections), validated, and
+        resolved against `world_size` when given. `Config.parallel_layout` is the caller at start-up."""
+        p, r = cfg.parallel, cfg.rollout
+        layout = cls(
+            tp=p.tp,
+            pp=p.pp,
+            vpp=p.vpp,
+            cp=p.cp,
+            ep=p.ep,
+            rollout_tp=r.tp,
+            placement=resolve_placement(r.placement, r.engine),
+        )
+        if world_size is None:
+            layout.validate()
+            return layout
+        return layout.resolve(world_size)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def vpp_size(self) -> int:
+        """Model chunks per pipeline rank (1 without interleaving)."""
+        return 1 if self.vpp is None else self.vpp
+
+    @property
+    def megatron_vpp(self) -> Optional[int]:
+        """The virtual-pipeline size to give Megatron: None without interleaving (vpp null or 1)."""
+        return None if self.vpp is None or self.vpp == 1 else self.vpp
+
+    def _world(self) -> int:
+        if self.world_size is None:
+            raise ValueError("the data-parallel sizes are derived from the world size: call resolve(world_size) first")
+        return self.world_size
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world / (tp * pp * cp)."""
+        return self._world() // self.model_parallel_size
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks splitting each expert's matrices: the TP size (Megatron's default expert-TP, kept)."""
+        return self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: world / (expert-TP * ep * pp)."""
+        return self._world() // (self.expert_tp * self.ep * self.pp)
+
+    @property
+    def rollout_engines(self) -> int:
+        """Engines generating independently: one per actor replica (leader) or per rollout-TP group (spmd)."""
+        return self._world() // self.rollout_tp if self.placement == "spmd" else self.dp
+
+    def resolve(self, world_size: int) -> "ParallelLayout":
+        """This layout for a launch of `world_size` processes, validated."""
+        if self.world_size is not None and self.world_size != world_size:
+            raise LayoutError(
+                f"this layout was made for {self.world_size} processes, the launch has {world_size}: "
+                "launch the number of processes the configuration was checked for"
+            )
+        resolved = dataclasses.replace(self, world_size=world_size)
+        resolved.validate(world_size)
+        return resolved
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(
+        self,
+        world_size: Optional[int] = None,
+        num_layers: Optional[int] = None,
+        num_attention_heads: Optional[int] = None,
+        num_query_groups: Optional[int] = None,
+        num_experts: Optional[int] = None,
+    ) -> None:
+        """Raise `LayoutError` naming the config key and the fix for any size that does not fit.
+
+        Arguments left as None are not checked (the world-size check runs at launch, the model
+        checks once the HF config is read; `num_experts` 0 is a dense model, which needs ep=1).
+        """
+        check_sizes(self.tp, self.pp, self.cp, self.vpp, self.rollout_tp)
+        if self.placement not in ("leader", "spmd"):
+            raise PlacementError(f"a layout's placement is 'leader' or 'spmd' (resolve_placement), got {self.placement!r}")
+        if world_size is not None:
+            check_world_size(world_size, self.tp, self.pp, self.cp)
+            check_rollout_tp(world_size, self.rollout_tp)
+        validate_expert_parallel(
+            self.ep, num_experts=num_experts, world_size=world_size, tp=self.tp, pp=self.pp, cp=self.cp
+        )
+        check_model_shape(
+            self.tp,
+            self.pp,
+            self.vpp,
+            num_attention_heads=num_attention_heads,
+            num_query_groups=num_query_groups,
+            num_layers=num_layers,
+        )
+
+    # ------------------------------------------------------------------ rank coordinates
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) ranks of a global rank in Megatron's default "tp-cp-ep-dp-pp" order."""
+        dp = self.dp  # raises if the world size is not resolved
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % dp
+        pp_rank = rank // (self.tp * self.cp * dp)
+        return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
+
+    def expert_coordinates(self, rank: int) -> dict[str, int]:
+        """(expert_tp, ep, expert_dp, pp) ranks of a global rank in the expert grid's "tp-ep-dp-pp" order."""
+        expert_dp = self.expert_dp  # raises if the world size is not resolved
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp, ep = self.expert_tp, self.ep
+        return {"expert_tp": rank % tp, "ep": (rank // tp) % ep, "expert_dp": (rank // (tp * ep)) % expert_dp, "pp": rank // (tp * ep * expert_dp)}
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Inverse of `coordinates`."""
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    GROUP_KINDS = ("tp", "cp", "dp", "pp", "ep", "expert_tp", "expert_dp")
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """All process groups of one kind, each a sorted rank list: "tp", "cp", "dp", "pp" (the dense
+        grid) or "ep", "expert_tp", "expert_dp" (Megatron's expert grid, see above)."""
+        if kind not in self.GROUP_KINDS:
+            raise ValueError(f"unknown group kind {kind!r}; use one of {', '.join(self.GROUP_KINDS)}")
+        if self.world_size is None:
+            raise ValueError("groups need the world size: call resolve(world_size) first")
+        coordinates = self.coordinates if kind in ("tp", "cp", "dp", "pp") else self.expert_coordinates
+        seen: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            coords = coordinates(rank)
+            key = tuple(v for k, v in coords.items() if k != kind)
+            seen.setdefault(key, []).append(rank)
+        return sorted(seen.values())
+
+    def layers_of_stage(self, num_layers: int, pp_rank: int, vpp_rank: int = 0) -> range:
+        """Global layer indices held by model chunk `vpp_rank` of pipeline rank `pp_rank` (even split)."""
+        per_chunk = num_layers // (self.pp * self.vpp_size)
+        start = vpp_rank * (num_layers // self.vpp_size) + pp_rank * per_chunk
+        return range(start, start + per_chunk)
+
+    def describe(self, num_layers: Optional[int] = None) -> str:
+        """A multi-line description of the resolved layout for the pre-flight print."""
+        if self.world_size is None:
+            return f"tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} ep={self.ep} (world size not resolved)"
+        lines = [
+            f"world={self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}"
+            + (f" (vpp {self.vpp} chunks per pipeline rank)" if self.vpp else "")
+        ]
+        for kind in ("tp", "cp", "dp", "pp"):
+            size = getattr(self, kind)
+            if size > 1 or kind == "dp":
+                lines.append(f"  {kind.upper()} groups: " + " ".join(str(g) for g in self.groups(kind)))
+        if self.ep > 1:
+            lines.append(
+                f"  experts: EP {self.ep} x expert-TP {self.expert_tp} x expert-DP {self.expert_dp}; EP groups: "
+                + " ".join(str(g) for g in self.groups("ep"))
+            )
+        if num_layers is not None and self.pp > 1:
+            for pp_rank in range(self.pp):
+                chunks = []
+                for v in range(self.vpp_size):
+                    layers = self.layers_of_stage(num_layers, pp_rank, v)
+                    chunks.append(f"layers {layers.start}-{layers.stop - 1}")
+                lines.append(f"  PP stage {pp_rank}: " + "; ".join(chunks))
+        if self.cp > 1:
+            chunks = 2 * self.cp
+            lines.append(
+                f"  CP: every sequence is padded to a multiple of {chunks} (x tp under sequence parallelism) and cut "
+                f"into {chunks} chunks; CP rank r holds chunks r and {chunks - 1}-r (Megatron's load-balanced layout)"
+            )
+        return "\n".join(lines)

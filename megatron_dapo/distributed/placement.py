@@ -11,7 +11,8 @@ Two placements (`rollout.placement`):
   of the prompts (the rollout-DP split: `world / rollout.tp` shares), and the group's first rank
   hands the results on. Consecutive ranks keep a group on one node, as launchers place them.
 
-"auto" is spmd for vLLM (the only engine here that runs SPMD) and leader for the others.
+"auto" is spmd for vLLM (the only engine here that runs SPMD) and leader for the others: the
+resolved placement is part of the run's `ParallelLayout` (`layout.resolve_placement`).
 
 Devices (`assign_engine_devices`, GPU runs): an engine computes only on GPUs of its own ranks. In the
 spmd placement each rank opens its own GPU. In the leader placement the leader's engine takes the
@@ -30,34 +31,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence, get_args
 
-from megatron_dapo.distributed.layout import check_rollout_tp, check_sizes
-from megatron_dapo.errors import InputError
+from megatron_dapo.distributed.layout import (  # the placement itself is a size of the layout
+    PLACEMENT_CHOICES,
+    SPMD_ENGINES,
+    Placement,
+    PlacementError,
+    check_rollout_tp,
+    check_sizes,
+    resolve_placement,
+)
 
-Placement = Literal["auto", "spmd", "leader"]
-"""`rollout.placement` (config.py types the key with it: the one list of values)."""
+__all__ = [
+    "PLACEMENT_CHOICES",
+    "SPMD_ENGINES",
+    "SYNC_MODES",
+    "EngineDevices",
+    "Placement",
+    "PlacementError",
+    "RankGpu",
+    "SpmdSlot",
+    "WeightSyncMode",
+    "assign_engine_devices",
+    "check_sync_mode",
+    "choose_sync_mode",
+    "replica_groups",
+    "resolve_placement",
+]
+
 WeightSyncMode = Literal["auto", "gather", "shared_memory", "tp_shards"]
 """`rollout.weight_sync_mode` (config.py types the key with it; `choose_sync_mode` picks for "auto")."""
-PLACEMENT_CHOICES = get_args(Placement)
 SYNC_MODES = get_args(WeightSyncMode)
-SPMD_ENGINES = ("vllm",)
-
-
-class PlacementError(InputError, ValueError):
-    """A rollout placement the engine or the GPUs cannot hold; the message names the keys to change."""
-
-
-def resolve_placement(requested: str, engine: str) -> str:
-    """The placement "spmd" or "leader" that `rollout.placement=requested` means for `rollout.engine=engine`."""
-    if requested not in PLACEMENT_CHOICES:
-        raise PlacementError(f"unknown rollout.placement {requested!r}; use one of {', '.join(PLACEMENT_CHOICES)}")
-    if requested == "auto":
-        return "spmd" if engine in SPMD_ENGINES else "leader"
-    if requested == "spmd" and engine not in SPMD_ENGINES:
-        raise PlacementError(
-            f"'rollout.placement'=spmd needs rollout.engine={' or '.join(SPMD_ENGINES)} (got {engine!r}): "
-            "use placement auto or leader"
-        )
-    return requested
 
 
 def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Optional[int]) -> None:

@@ -1,6 +1,6 @@
 """Process-group set-up: from a torchrun, SLURM or plain single-process launch to Megatron's groups.
 
-    ctx = init_distributed(cfg.parallel, timeout_s=1800, seed=cfg.trainer.seed)
+    ctx = init_distributed(cfg.parallel_layout(world_size), timeout_s=1800, seed=cfg.trainer.seed)
     ...  # build models, train
     teardown()
 
@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_dapo.compat.versions import require
 from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
 from megatron_dapo.distributed.launch import LaunchEnv, find_free_port, resolve_launch_env
-from megatron_dapo.distributed.layout import ParallelLayout, validate_expert_parallel
+from megatron_dapo.distributed.layout import ParallelLayout
 
 __all__ = [
     "DistributedContext",
@@ -104,8 +104,6 @@ class DistributedContext:
     backend: str
     device: torch.device
     cpu_compat: bool
-    ep: int = 1
-    """Expert-parallel size (`parallel.ep`; 1 for dense models)."""
 
     @property
     def rank(self) -> int:
@@ -116,7 +114,7 @@ class DistributedContext:
         return self.launch.world_size
 
 def init_distributed(
-    parallel_cfg: Any,
+    layout: ParallelLayout,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     seed: int = 1234,
     env: Optional[Mapping[str, str]] = None,
@@ -124,13 +122,16 @@ def init_distributed(
 ) -> DistributedContext:
     """Initialise torch.distributed and Megatron's model-parallel state for this process.
 
-    `parallel_cfg` is anything with tp/pp/vpp/cp attributes (`config.ParallelConfig`, `ParallelLayout`),
-    and optionally `ep`, the expert-parallel size of mixture-of-experts models (default 1).
+    `layout` is the run's `ParallelLayout` (`Config.parallel_layout` at start-up; a layout made in
+    code is resolved against the launch's world size here). The context's `layout` is the resolved
+    one: every later step takes its sizes from it.
     `timeout_s` bounds every collective (a rank that never arrives fails the job instead of hanging),
     except on the gather group (`gather_group()`), which is created here with `gather_timeout_s`.
     Seeds Python, NumPy and torch with `seed + 100 * pp_rank` (Megatron's convention) and Megatron's
     tensor-parallel RNG tracker.
     """
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"init_distributed takes a ParallelLayout (Config.parallel_layout), got {type(layout).__name__}")
     cpu_compat = enable_cpu_compat()  # before Megatron is imported below
     # The start-up check: a Megatron-Core outside the tested range, or without an API the package
     # calls, stops here with its version, the tested ones and a pip command, not minutes later.
@@ -140,9 +141,7 @@ def init_distributed(
         raise RuntimeError("Megatron's parallel state is already initialised in this process: call teardown() first")
 
     launch = resolve_launch_env(env)
-    layout = ParallelLayout.from_config(parallel_cfg).resolve(launch.world_size)
-    ep = int(getattr(parallel_cfg, "ep", 1) or 1)
-    validate_expert_parallel(ep, world_size=launch.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp)
+    layout = layout.resolve(launch.world_size)
 
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -178,7 +177,7 @@ def init_distributed(
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.megatron_vpp,
         context_parallel_size=layout.cp,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=layout.ep,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
 
@@ -193,7 +192,7 @@ def init_distributed(
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
 
-    return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat, ep=ep)
+    return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat)
 
 def teardown(keep_process_group: bool = False) -> None:
     """Destroy Megatron's model-parallel groups and the default process group (safe to call twice).

@@ -27,7 +27,7 @@ from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.socket_interfaces import is_loopback, nccl_interface_matches
 from megatron_dapo.compat.versions import REQUIREMENTS, VersionRange
 from megatron_dapo.plan import ClusterShape, actor_memory, hf_parameter_count, plan_memory, resolve_model
-from megatron_dapo.distributed.placement import choose_sync_mode, resolve_placement
+from megatron_dapo.distributed.placement import choose_sync_mode
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "FAIL", "skip"
 GIB = float(2**30)
@@ -307,6 +307,9 @@ class ConfigFacts:
     cfg: Any = None
     error: Optional[str] = None
     layout: str = ""
+    """The layout's first line (`ParallelLayout.describe`) for the table."""
+    parallel_layout: Optional[ParallelLayout] = None
+    """The run's layout at the checked world size (`Config.parallel_layout`); None when the config does not fit it."""
     plan: Any = None
     """plan.MemoryPlan at this machine's GPU capacity, or None."""
     model: Any = None
@@ -331,9 +334,8 @@ def config_facts(
         return facts
     cfg = facts.cfg
     try:
-        cfg.resolve_world(shape.layout_world)
-        p = cfg.parallel
-        facts.layout = ParallelLayout(p.tp, p.pp, p.vpp, p.cp, shape.layout_world).describe().splitlines()[0]
+        facts.parallel_layout = cfg.parallel_layout(shape.layout_world)
+        facts.layout = facts.parallel_layout.describe().splitlines()[0]
     except ConfigError as exc:
         facts.error = str(exc)
     try:
@@ -516,22 +518,24 @@ def space_facts(path: str | os.PathLike) -> Optional[SpaceFacts]:
     return SpaceFacts(str(probe), int(usage.total), int(usage.free))
 
 
-def shm_need(cfg: Any, tasks_per_node: int, host: str) -> tuple[int, str]:
+def shm_need(cfg: Any, layout: Optional[ParallelLayout], tasks_per_node: int, host: str) -> tuple[int, str]:
     """Bytes of /dev/shm a node needs, and why: NCCL / vLLM / gloo per task, plus the weight-sync
     bucket files the config's sync writes there (`distributed.placement.choose_sync_mode`, the leader
-    placement's vLLM transfer files)."""
+    placement's vLLM transfer files). `layout`: the run's (`ConfigFacts.parallel_layout`); None when
+    the config does not fit, and then only the base is counted."""
     base = max(SHM_MIN_GIB * GIB, tasks_per_node * SHM_PER_TASK_MIB * MIB)
     why = f"{tasks_per_node} task(s) x {SHM_PER_TASK_MIB} MiB for NCCL/vLLM/gloo (at least {SHM_MIN_GIB:.0f} GiB)"
-    if cfg is None:
+    if cfg is None or layout is None:
         return int(base), why
-    r, p = cfg.rollout, cfg.parallel
+    r = cfg.rollout
     try:
-        placement = resolve_placement(r.placement, r.engine)
-        mode = choose_sync_mode(r.weight_sync_mode, p.tp, [host] * p.tp, r.engine, "cuda", placement=placement, rollout_tp=r.tp)
+        mode = choose_sync_mode(
+            r.weight_sync_mode, layout.tp, [host] * layout.tp, r.engine, "cuda", placement=layout.placement, rollout_tp=layout.rollout_tp
+        )
     except ValueError:
         return int(base), why
-    if mode == "shared_memory" or (r.engine == "vllm" and placement == "leader"):
-        files = max(1, tasks_per_node // max(p.tp, r.tp))
+    if mode == "shared_memory" or (r.engine == "vllm" and layout.placement == "leader"):
+        files = max(1, tasks_per_node // max(layout.tp, layout.rollout_tp))
         bucket = r.weight_sync_bucket_mb * MIB
         why += f" + {files} weight-sync bucket file(s) of rollout.weight_sync_bucket_mb={r.weight_sync_bucket_mb}"
         return int(base + files * bucket), why

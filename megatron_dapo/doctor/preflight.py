@@ -255,7 +255,7 @@ def local_checks(options: DoctorOptions, shape: JobShape, facts: TorchFacts, env
         checks.append(check_engine(package, engine, probe(package) if used else None, installed_version(ENGINE_DISTRIBUTIONS[package])))
     checks.append(check_megatron(probe(MEGATRON_CORE)))
 
-    need, why = shm_need(cfg, shape.tasks_per_node, shape.host)
+    need, why = shm_need(cfg, conf.parallel_layout, shape.tasks_per_node, shape.host)
     checks.append(check_shm(space_facts("/dev/shm") if os.path.isdir("/dev/shm") else None, need, why))
     plan = conf.plan
     pinned = plan.rollout.host_per_gpu if plan is not None else None

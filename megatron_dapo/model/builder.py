@@ -48,7 +48,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dapo.distributed.layout import ParallelLayout, check_expert_dispatcher, experts_per_rank
+from megatron_dapo.distributed.layout import ParallelLayout, check_expert_dispatcher
 from megatron_dapo.model.gpu_kernels import (
     KernelStatus,
     TransformerEngineUnavailable,
@@ -191,7 +191,6 @@ def build_transformer_config(
     init_weights: bool = True,
     recompute_activations: bool = False,
     gradient_accumulation_fusion: bool = False,
-    expert_parallel: int = 1,
     moe_token_dispatcher: MoEDispatcher = "alltoall",
     moe_aux_loss_coeff: Optional[float] = None,
     moe_z_loss_coeff: Optional[float] = None,
@@ -200,11 +199,11 @@ def build_transformer_config(
 
     `gradient_accumulation_fusion` (apex's fused weight-gradient GEMM into DDP's ``main_grad``; see
     `gpu_kernels.gradient_options`) is fixed when the layers are built, not when DDP wraps them.
-    MoE models: `expert_parallel` (Megatron's `expert_model_parallel_size`), the token dispatcher,
+    MoE models: the layout's `ep` (Megatron's `expert_model_parallel_size`), the token dispatcher,
     the load-balancing loss coefficient (None: the model's `router_aux_loss_coef`) and the router
     z-loss coefficient (None or 0: off).
     """
-    layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    layout.validate(None, cfg.num_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_experts)
     on_gpu = torch.cuda.is_available()
     # Fused kernels need CUDA; with TE on a GPU use them, on the local spec / CPU use plain PyTorch.
     fused = use_te and on_gpu
@@ -244,10 +243,9 @@ def build_transformer_config(
     )
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    experts_per_rank(cfg.num_experts, expert_parallel)  # divides; a dense model needs parallel.ep=1
     if cfg.is_moe:
-        check_expert_dispatcher(moe_token_dispatcher, layout.pp, expert_parallel)
-        kwargs.update(_moe_kwargs(cfg, use_te, expert_parallel, moe_token_dispatcher, moe_aux_loss_coeff, moe_z_loss_coeff))
+        check_expert_dispatcher(moe_token_dispatcher, layout.pp, layout.ep)
+        kwargs.update(_moe_kwargs(cfg, use_te, layout.ep, moe_token_dispatcher, moe_aux_loss_coeff, moe_z_loss_coeff))
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     if "cuda_graph_scope" in fields:
         # The default "full" is deprecated (a UserWarning per config); an empty list is its equivalent.
@@ -346,12 +344,18 @@ def build_gpt_models(
     `gradient_accumulation_fusion`: None decides from the machine (on with CUDA and apex's fused
     weight-gradient GEMM, `gpu_kernels.gradient_options`); a model built with it on must be trained
     through Megatron DDP (`actor.optim.prepare_for_training`), which provides ``main_grad``.
-    MoE models take the expert-parallel size from Megatron's parallel state and `moe_token_dispatcher`
+    MoE models take the expert-parallel size from the layout and `moe_token_dispatcher`
     / `moe_aux_loss_coeff` / `moe_z_loss_coeff` as `build_transformer_config` does.
     """
-    actual = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
-    if actual != (layout.tp, layout.pp):
-        raise ValueError(f"layout tp={layout.tp}, pp={layout.pp} differs from Megatron's parallel state tp={actual[0]}, pp={actual[1]}")
+    actual = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+    }
+    wanted = {kind: getattr(layout, kind) for kind in actual}
+    if actual != wanted:
+        raise ValueError(f"layout {wanted} differs from Megatron's parallel state {actual}: build with init_distributed's layout (ctx.layout)")
     # "off" never imports TE: a broken install cannot get in the way of a run that does not want it.
     te_status = transformer_engine_status() if transformer_engine != "off" else KernelStatus(False, "not probed")
     use_te = _resolve_te(transformer_engine, te_status)
@@ -372,7 +376,6 @@ def build_gpt_models(
         init_weights=init_weights,
         recompute_activations=recompute_activations,
         gradient_accumulation_fusion=fusion,
-        expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
         moe_token_dispatcher=moe_token_dispatcher,
         moe_aux_loss_coeff=moe_aux_loss_coeff,
         moe_z_loss_coeff=moe_z_loss_coeff,

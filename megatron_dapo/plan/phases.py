@@ -49,8 +49,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_dapo.config import Config, validate_model_shape, validate_world
-from megatron_dapo.distributed.layout import expert_data_parallel_size
+from megatron_dapo.config import Config, validate_model_shape
+from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.plan.activations import StageActivation, dispatch_buffer_bytes_per_token, stage_activation_bytes
 from megatron_dapo.plan.memory import (
     OFFLOAD_KINDS,
@@ -269,22 +269,19 @@ def plan_memory(
     pipeline stage, the rollout phase (generation and weight sync), then what context parallelism
     would take for the longest sequence."""
     p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
-    world = cluster.world_size
-    _validate(cfg, model, world)
-    dp = world // (p.tp * p.pp * p.cp)
+    layout = _validate(cfg, model, cluster.world_size)
     gpu = cluster.gpu_memory_bytes
     reserve = reserve_gib * GIB
     longest = r.max_prompt_length + r.max_response_length
     # Per rank, as the actor plans micro-batches: under CP a rank computes 1/CP of each sequence's tokens.
-    budget = t.max_tokens_per_micro_batch or math.ceil(t.micro_batch_size * longest / p.cp)
-    engine = _engine_pool(cfg, model, cluster)
-    expert_dp = expert_data_parallel_size(world, p.ep, p.tp, p.pp, p.cp)
-    per_stage = [_training_stage(cfg, model, stage, gpu, reserve, budget, dp, expert_dp, engine) for stage in range(p.pp)]
+    budget = t.max_tokens_per_micro_batch or math.ceil(t.micro_batch_size * longest / layout.cp)
+    engine = _engine_pool(cfg, model, cluster, layout)
+    per_stage = [_training_stage(cfg, model, layout, stage, gpu, reserve, budget, engine) for stage in range(layout.pp)]
     stages = [stage for stage, _ in per_stage]
     binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
     rollout = _rollout_phase(cfg, stages, engine, cluster, reserve, longest)
-    longest_per_micro_batch = binding.max_tokens * p.cp
-    cp_needed = _smallest_context_parallel(binding.max_tokens, longest, world // (p.tp * p.pp))
+    longest_per_micro_batch = binding.max_tokens * layout.cp
+    cp_needed = _smallest_context_parallel(binding.max_tokens, longest, layout.dp * layout.cp)
     notes = _notes(cfg, model, engine, rollout, longest, longest_per_micro_batch, cp_needed)
     return MemoryPlan(
         model_name=model_name,
@@ -292,16 +289,16 @@ def plan_memory(
         hf_parameters=hf_parameter_count(model),
         nodes=cluster.nodes,
         gpus_per_node=cluster.gpus_per_node,
-        world_size=world,
+        world_size=layout.world_size,
         gpu_memory=gpu,
         gpu=cluster.gpu,
         reserve=reserve,
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        cp=p.cp,
-        dp=dp,
-        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        tp=layout.tp,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        cp=layout.cp,
+        dp=layout.dp,
+        sequence_parallel=p.sequence_parallel and layout.tp > 1,
         distributed_optimizer=p.use_distributed_optimizer,
         recompute=cfg.model.recompute_activations,
         dtype=cfg.model.dtype,
@@ -318,14 +315,15 @@ def plan_memory(
         training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
         rollout_fits=rollout.phase_total <= gpu and rollout.concurrent_full_sequences >= 1,
         notes=notes,
-        moe=(_expert_plan(model, p.ep, p.tp, expert_dp, [parts for _, parts in per_stage], cfg.moe.token_dispatcher)
+        moe=(_expert_plan(model, layout, [parts for _, parts in per_stage], cfg.moe.token_dispatcher)
              if model.is_moe else None),  # fmt: skip
     )
 
 
-def _validate(cfg: Config, model: HFModelConfig, world: int) -> None:
-    """The config's own messages for a layout that does not fit the world or the model."""
-    validate_world(cfg, world)
+def _validate(cfg: Config, model: HFModelConfig, world: int) -> ParallelLayout:
+    """The run's layout on `world` GPUs, with the config's own messages for one that does not fit
+    the world or the model."""
+    layout = cfg.parallel_layout(world)
     shape = {
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_key_value_heads,
@@ -333,13 +331,15 @@ def _validate(cfg: Config, model: HFModelConfig, world: int) -> None:
         "num_experts": model.num_experts,
     }
     validate_model_shape(cfg, shape)  # heads, query groups, layers, experts vs EP
-    check_tensor_parallel(model, cfg.parallel.tp, "parallel.tp")  # adds the FFN split
+    check_tensor_parallel(model, layout.tp, "parallel.tp")  # adds the FFN split
+    return layout
 
 
 @dataclass(frozen=True)
 class _EnginePool:
     """The rollout engine on one GPU (vLLM's conventions; SGLang's where they differ)."""
 
+    tp: int
     weights: float
     kv_per_token: int
     pool: float
@@ -359,21 +359,22 @@ class _EnginePool:
     """The pool stays through the update (rollout.free_cache_engine off)."""
 
 
-def _engine_pool(cfg: Config, model: HFModelConfig, cluster: ClusterShape) -> _EnginePool:
+def _engine_pool(cfg: Config, model: HFModelConfig, cluster: ClusterShape, layout: ParallelLayout) -> _EnginePool:
     r, t = cfg.rollout, cfg.trainer
     gpu = cluster.gpu_memory_bytes
-    weights = rollout_weight_parameters(model, r.tp) * 2.0
+    weights = rollout_weight_parameters(model, layout.rollout_tp) * 2.0
     pool = r.gpu_memory_utilization * gpu
     batched_tokens, num_seqs = vllm_batch_defaults(cluster.gpu_memory_gib, cluster.gpu)
-    activation = vllm_activation_peak(model, r.tp, batched_tokens, num_seqs)
+    activation = vllm_activation_peak(model, layout.rollout_tp, batched_tokens, num_seqs)
     in_pool = r.engine != "sglang"
     engine_in_pool = weights + (activation if in_pool else 0.0)
-    engines = cluster.world_size // r.tp
+    engines = layout.rollout_engines
     sequences_per_engine = math.ceil(t.gen_batch_size * r.n / engines)
     results = result_buffer_bytes(sequences_per_engine, r.n, r.max_prompt_length, r.max_response_length)
     return _EnginePool(
+        tp=layout.rollout_tp,
         weights=weights,
-        kv_per_token=kv_cache_bytes_per_token(model, r.tp),
+        kv_per_token=kv_cache_bytes_per_token(model, layout.rollout_tp),
         pool=pool,
         batched_tokens=batched_tokens,
         num_seqs=num_seqs,
@@ -390,13 +391,15 @@ def _engine_pool(cfg: Config, model: HFModelConfig, cluster: ClusterShape) -> _E
 
 
 def _training_stage(
-    cfg: Config, model: HFModelConfig, stage: int, gpu: float, reserve: float, budget: int, dp: int, expert_dp: int,
+    cfg: Config, model: HFModelConfig, layout: ParallelLayout, stage: int, gpu: float, reserve: float, budget: int,
     engine: _EnginePool,
 ) -> tuple[StageMemory, Optional[ExpertStageMemory]]:
     """The training phase on one pipeline stage's rank: the whole actor, the reference, one
-    micro-batch's activations (and the pool if it never sleeps); for an MoE also the state by part."""
+    micro-batch's activations (and the pool if it never sleeps); for an MoE also the state by part.
+    The distributed optimizer shards the dense state over DP x CP, the experts' over expert-DP."""
     p, r = cfg.parallel, cfg.rollout
-    split = stage_parameter_split(model, p.tp, p.pp, stage, p.ep)
+    dense_shards = layout.dp * layout.cp
+    split = stage_parameter_split(model, layout.tp, layout.pp, stage, layout.ep)
     params = split.total
     parts = None
     if model.is_moe:
@@ -404,30 +407,30 @@ def _training_stage(
             stage=stage,
             dense_parameters=split.dense,
             expert_parameters=split.expert,
-            dense_distributed_optimizer=actor_memory(split.dense, cfg.model.dtype, dp * p.cp),
+            dense_distributed_optimizer=actor_memory(split.dense, cfg.model.dtype, dense_shards),
             dense_plain_optimizer=actor_memory(split.dense, cfg.model.dtype, 1),
-            expert_distributed_optimizer=actor_memory(split.expert, cfg.model.dtype, expert_dp),
+            expert_distributed_optimizer=actor_memory(split.expert, cfg.model.dtype, layout.expert_dp),
             expert_plain_optimizer=actor_memory(split.expert, cfg.model.dtype, 1),
         )
         with_dist = parts.dense_distributed_optimizer + parts.expert_distributed_optimizer
         plain = parts.dense_plain_optimizer + parts.expert_plain_optimizer
         actor = with_dist if p.use_distributed_optimizer else plain
     else:
-        with_dist = actor_memory(params, cfg.model.dtype, dp * p.cp)
+        with_dist = actor_memory(params, cfg.model.dtype, dense_shards)
         plain = actor_memory(params, cfg.model.dtype, 1)
-        actor = actor_memory(params, cfg.model.dtype, dp * p.cp if p.use_distributed_optimizer else 1)
+        actor = actor_memory(params, cfg.model.dtype, dense_shards if p.use_distributed_optimizer else 1)
     reference = params * dtype_bytes(cfg.model.dtype) if cfg.algorithm.kl.use_kl_loss else 0.0
     common = dict(
-        vpp=p.vpp,
-        cp=p.cp,
-        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        vpp=layout.vpp,
+        cp=layout.cp,
+        sequence_parallel=p.sequence_parallel and layout.tp > 1,
         temperature=r.temperature,
         fused_swiglu=cfg.model.transformer_engine != "off",  # Megatron fuses it only with TE on GPU
-        ep=p.ep,
+        ep=layout.ep,
         moe_dispatcher=cfg.moe.token_dispatcher,
     )
-    none = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=False, **common)
-    full = stage_activation_bytes(model, p.tp, p.pp, stage, recompute=True, **common)
+    none = stage_activation_bytes(model, layout.tp, layout.pp, stage, recompute=False, **common)
+    full = stage_activation_bytes(model, layout.tp, layout.pp, stage, recompute=True, **common)
     chosen = full if cfg.model.recompute_activations else none
     static = actor.total + reference + reserve + (engine.pool if engine.in_training else 0.0)
 
@@ -491,7 +494,7 @@ def _rollout_phase(
     if r.free_cache_engine and (r.engine == "embedded" or (r.engine == "vllm" and r.sleep_level == 1)):
         host_per_gpu += engine.weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
     return RolloutMemory(
-        tp=r.tp,
+        tp=engine.tp,
         engines=engine.engines,
         weights=engine.weights,
         kv_bytes_per_token=engine.kv_per_token,
@@ -573,16 +576,15 @@ def _notes(
     return notes
 
 
-def _expert_plan(
-    model: HFModelConfig, ep: int, tp: int, expert_dp: int, stages: list[ExpertStageMemory], dispatcher: str
-) -> ExpertPlan:
+def _expert_plan(model: HFModelConfig, layout: ParallelLayout, stages: list[ExpertStageMemory], dispatcher: str) -> ExpertPlan:
+    ep = layout.ep
     return ExpertPlan(
         num_experts=model.num_experts,
         experts_per_token=model.num_experts_per_tok,
         shared_expert=bool(model.shared_expert_ffn_hidden_size),
         ep=ep,
-        expert_tp=tp,
-        expert_dp=expert_dp,
+        expert_tp=layout.expert_tp,
+        expert_dp=layout.expert_dp,
         experts_per_rank=local_experts(model, ep),
         hf_expert_parameters=model.num_layers * layer_parameters(model).expert,
         active_parameters=hf_active_parameter_count(model),

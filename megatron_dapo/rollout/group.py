@@ -15,7 +15,8 @@ data-parallel rank and size in the leader placement, the rollout-DP rank and siz
 `is_leader` says whether this rank's generation results are the ones to gather.
 
 Weight sync is a collective of the actor's model-parallel ranks (pipeline stages broadcast) in one
-of these modes (`rollout.weight_sync_mode`, decided at the first sync, identically on every rank):
+of these modes (`rollout.weight_sync_mode`, decided at the first sync, identically on every rank,
+and made into one `sync.dispatch.WeightTransport` that serves every later push):
 
 * "gather": each parameter's TP shards are all-gathered into full HF tensors and the engine's
   owner loads them (leader: the leader rank; spmd: every rank, into its own engine, whose loaders
@@ -26,7 +27,8 @@ of these modes (`rollout.weight_sync_mode`, decided at the first sync, identical
 * "tp_shards" (spmd, rollout TP = actor TP): each rank loads its own slices into its own
   in-process engine (`sync/tp_shards.py`): no gather, no file.
 
-"auto" picks one of them (`distributed.placement.choose_sync_mode`).
+"auto" picks one of them (`distributed.placement.choose_sync_mode`). The placement and the sizes come
+from the run's `ParallelLayout` (`RolloutGroup.create(cfg, layout, ...)`).
 
 Devices (GPU runs): every engine computes on GPUs of its own ranks (`placement.assign_engine_devices`,
 decided from every rank's GPU at start, identically on every rank): a leader's vLLM processes get
@@ -49,8 +51,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_replica_leader
-from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_dapo.distributed.placement import (
     EngineDevices,
     RankGpu,
@@ -58,12 +60,12 @@ from megatron_dapo.distributed.placement import (
     assign_engine_devices,
     choose_sync_mode,
     replica_groups,
-    resolve_placement,
 )
+from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
-from megatron_dapo.rollout.sync.dispatch import sync_weights
-from megatron_dapo.rollout.sync.shared_memory import SharedMemoryHandover
-from megatron_dapo.rollout.sync.tp_shards import InProcessShardTarget
+from megatron_dapo.rollout.sync.dispatch import FullTensors, SyncStats, WeightTransport, sync_weights
+from megatron_dapo.rollout.sync.shared_memory import SharedMemoryShards
+from megatron_dapo.rollout.sync.tp_shards import InProcessShards
 
 
 def make_engine(
@@ -139,29 +141,21 @@ def this_rank_gpu(device: torch.device) -> Optional[RankGpu]:
     return RankGpu(socket.gethostname(), visible, index)
 
 
-def engine_devices(placement: str, engine: str, rollout_tp: int, mine: RankGpu) -> Optional[EngineDevices]:
+def engine_devices(layout: ParallelLayout, engine: str, mine: RankGpu) -> Optional[EngineDevices]:
     """The GPUs of the engine this rank builds (leader placement: on the replica's leader; spmd: the
     engine its shard belongs to); None on ranks that build none. A world collective: every rank
     passes its `RankGpu` (`this_rank_gpu`) and every rank checks the whole layout, so a layout that
-    cannot work fails on every rank alike (`placement.PlacementError`)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if ps.model_parallel_is_initialized():
-        coordinates = (
-            ps.get_data_parallel_rank(),
-            ps.get_pipeline_model_parallel_rank(),
-            ps.get_context_parallel_rank(),
-            ps.get_tensor_model_parallel_rank(),
-        )
+    cannot work fails on every rank alike (`placement.PlacementError`). Replicas and rollout-TP
+    groups are the resolved `layout`'s (its rank order is Megatron's)."""
+    rank, world = (dist.get_rank() if dist.is_initialized() else 0), layout.world_size
+    ranks = gather_objects(mine)
+    if layout.placement == "spmd":
+        groups = [SpmdSlot(first, world, layout.rollout_tp).group_ranks for first in range(0, world, layout.rollout_tp)]
     else:
-        coordinates = (rank, 0, 0, 0)  # every rank is a replica of its own
-    table = gather_objects((mine, coordinates))
-    ranks = [entry[0] for entry in table]
-    if placement == "spmd":
-        groups = [SpmdSlot(first, world, rollout_tp).group_ranks for first in range(0, world, rollout_tp)]
-    else:
-        groups = replica_groups([entry[1] for entry in table])
-    for devices in assign_engine_devices(placement, engine, rollout_tp, ranks, groups):
-        if rank == devices.owner or (placement == "spmd" and rank in devices.ranks):
+        coordinates = [layout.coordinates(r) for r in range(world)]
+        groups = replica_groups([(c["dp"], c["pp"], c["cp"], c["tp"]) for c in coordinates])
+    for devices in assign_engine_devices(layout.placement, engine, layout.rollout_tp, ranks, groups):
+        if rank == devices.owner or (layout.placement == "spmd" and rank in devices.ranks):
             return devices
     return None
 
@@ -191,8 +185,10 @@ class RolloutGroup:
         device_type: str = "cpu",
         sleep_level: int = 1,
         spmd: Optional[SpmdSlot] = None,
+        actor_tp: Optional[int] = None,
     ) -> None:
-        """`spmd` is this rank's slot in the spmd placement (None: leader placement)."""
+        """`spmd` is this rank's slot in the spmd placement (None: leader placement); `actor_tp` the
+        actor's TP size (None: Megatron's parallel state's, for groups made without a layout)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {sleep_level}")
         if spmd is not None and engine is None:
@@ -204,23 +200,23 @@ class RolloutGroup:
         self.device_type = device_type
         self.sleep_level = sleep_level
         self.spmd = spmd
+        self.actor_tp = actor_tp
         self.sync_mode: Optional[str] = None
         """The mode in use, decided at the first `sync_weights` ("gather", "shared_memory" or "tp_shards")."""
-        self._handover = None
-        self._shard_target = None
+        self._transport: Optional[WeightTransport] = None
 
     @classmethod
-    def create(cls, cfg: Any, hf_dir: str | os.PathLike, device: torch.device) -> "RolloutGroup":
+    def create(cls, cfg: Any, layout: ParallelLayout, hf_dir: str | os.PathLike, device: torch.device) -> "RolloutGroup":
+        """This rank's part of the rollout of the run's resolved `layout` (placement, rollout TP, actor TP)."""
         if not (Path(hf_dir) / "config.json").is_file():
             raise FileNotFoundError(f"model.hf_dir={hf_dir} has no config.json (the rollout engine starts from it)")
         r = cfg.rollout
         slot = None
-        placement = resolve_placement(r.placement, r.engine)
         mine = this_rank_gpu(device)  # the same device type on every rank: all gather, or none
-        devices = engine_devices(placement, r.engine, r.tp, mine) if mine is not None else None
-        if placement == "spmd":
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            slot = SpmdSlot(rank, world, r.tp)
+        devices = engine_devices(layout, r.engine, mine) if mine is not None else None
+        if layout.placement == "spmd":
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            slot = SpmdSlot(rank, layout.world_size, layout.rollout_tp)
             engine = make_engine(cfg, hf_dir, device, placement="spmd", devices=devices)
         else:
             engine = make_engine(cfg, hf_dir, device, devices=devices) if is_replica_leader() else None
@@ -232,6 +228,7 @@ class RolloutGroup:
             device_type=device.type,
             sleep_level=r.sleep_level,
             spmd=slot,
+            actor_tp=layout.tp,
         )
 
     @property
@@ -265,37 +262,40 @@ class RolloutGroup:
             return self.engine.generate(prompt_ids, params, collect=False)
         return self.engine.generate(prompt_ids, params)
 
-    def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float):
+    def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float) -> SyncStats:
         """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""
-        if self.sync_mode is None:
-            self.sync_mode = self._decide_sync_mode()
-        if self.sync_mode == "shared_memory":
-            return sync_weights(models, hf_config, self._handover_target(), bucket_mb=bucket_mb, tp_shards=True)
-        if self.sync_mode == "tp_shards":
-            return sync_weights(models, hf_config, self._in_process_target(), bucket_mb=bucket_mb, tp_shards=True)
-        return sync_weights(models, hf_config, self.engine, bucket_mb=bucket_mb)
+        if self._transport is None:
+            self.sync_mode = self.sync_mode or self._decide_sync_mode()
+            self._transport = self._make_transport(self.sync_mode)
+        return sync_weights(models, hf_config, self._transport, bucket_mb=bucket_mb)
+
+    @property
+    def transport(self) -> Optional[WeightTransport]:
+        """The transport of `sync_mode`, made at the first sync (None before it and after `close_weight_sync`)."""
+        return self._transport
 
     def _decide_sync_mode(self) -> str:
-        tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        tp_size = self.actor_tp
+        if tp_size is None:
+            tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
         if self.spmd is not None:
             return choose_sync_mode(
                 self.requested_sync_mode, tp_size, [], self.engine_kind, self.device_type, placement="spmd", rollout_tp=self.spmd.tp
             )
         return choose_sync_mode(self.requested_sync_mode, tp_size, _leader_tp_group_hosts(), self.engine_kind, self.device_type)
 
-    def _handover_target(self):
-        """The first pipeline stage's `SharedMemoryHandover` (made once, collectively); None on later stages."""
-        if ps.model_parallel_is_initialized() and (ps.get_pipeline_model_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0):
-            return None
-        if self._handover is None:
-            self._handover = SharedMemoryHandover.create(self.engine, _actor_tp_group())
-        return self._handover
-
-    def _in_process_target(self):
-        """This rank's `tp_shards.InProcessShardTarget` (made once; checks the TP groups coincide)."""
-        if self._shard_target is None:
-            self._shard_target = InProcessShardTarget.create(self.engine, _actor_tp_group())
-        return self._shard_target
+    def _make_transport(self, mode: str) -> WeightTransport:
+        """The transport of `mode`, made once (the shard transports collectively over the actor's TP group)."""
+        if mode == "shared_memory":
+            # The slices come from the first pipeline stage's CP rank 0; later stages and CP ranks take
+            # part in the export's collectives only.
+            first = not ps.model_parallel_is_initialized() or (
+                ps.get_pipeline_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+            )
+            return SharedMemoryShards.create(self.engine, _actor_tp_group(), takes_part=first)
+        if mode == "tp_shards":
+            return InProcessShards.create(self.engine, _actor_tp_group())
+        return FullTensors(self.engine)
 
     def sleep(self, level: Optional[int] = None) -> None:
         """Free the engine's accelerator memory for the update (`level` None: rollout.sleep_level).
@@ -317,14 +317,14 @@ class RolloutGroup:
             self.engine.wake_up(tags)
 
     def close_weight_sync(self) -> None:
-        """Remove the shared-memory bucket directory, if any (the next sync makes a new one)."""
-        if self._handover is not None:
-            self._handover.close()
-            self._handover = None
+        """Release the transport (the shared-memory bucket directory, if any); the next sync makes a
+        new one of the same mode (a collective, like the first)."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
 
     def shutdown(self) -> None:
         self.close_weight_sync()
-        self._shard_target = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

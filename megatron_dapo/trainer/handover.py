@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 
 from megatron_dapo.actor.offload import ActorOffload, OffloadStats
 from megatron_dapo.config import Config
+from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.rollout.group import RolloutGroup
 from megatron_dapo.rollout.sync.dispatch import SyncStats
 from megatron_dapo.trainer.metrics import Phase
@@ -62,7 +63,9 @@ class GpuHandover:
             self.to_engine(push=self.rollout.sleep_discards_weights)
 
 
-def start_engine(cfg: Config, actor: Any, offload: ActorOffload, hf_config: Any, device) -> tuple[GpuHandover, SyncStats]:
+def start_engine(
+    cfg: Config, layout: ParallelLayout, actor: Any, offload: ActorOffload, hf_config: Any, device
+) -> tuple[GpuHandover, SyncStats]:
     """Create the rollout engine beside the actor and push the actor's weights into it.
 
     The engine starts from the HF weights; after a resume (or from a Megatron checkpoint) the
@@ -70,7 +73,7 @@ def start_engine(cfg: Config, actor: Any, offload: ActorOffload, hf_config: Any,
     state (vLLM sizes its pool from the free memory); the first push then follows every step's order.
     Returns the hand-over and the first push's figures."""
     offload.offload()
-    rollout = RolloutGroup.create(cfg, cfg.model.hf_dir, device)
+    rollout = RolloutGroup.create(cfg, layout, cfg.model.hf_dir, device)
     if offload.enabled:
         rollout.sleep()
         offload.onload("params")

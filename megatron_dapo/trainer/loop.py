@@ -35,6 +35,7 @@ from megatron_dapo.algorithm.mismatch import log_prob_mismatch
 from megatron_dapo.config import Config, engine_returns_routing
 from megatron_dapo.data.sampler import shard_for_rank
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_from_leaders, is_logging_rank
+from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.setup import teardown
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.tracking import ProgressBar
@@ -73,7 +74,7 @@ class DAPOTrainer:
         self.checkpoint_root = checkpoints_dir(runtime.output_dir)
         resumed = self._resume() if resume else False
         self.logger = open_metrics_logger(cfg, runtime.output_dir, enabled=self.rank0, resume_step=self.step if resumed else None)
-        self.handover, first_push = start_engine(cfg, self.actor, self.offload, runtime.hf_config, runtime.ctx.device)
+        self.handover, first_push = start_engine(cfg, runtime.ctx.layout, self.actor, self.offload, runtime.hf_config, runtime.ctx.device)
         self.rollout = self.handover.rollout
         self.say_rank0(
             f"weight sync: {self.rollout.sync_mode} (rollout.weight_sync_mode={cfg.rollout.weight_sync_mode}), "
@@ -260,15 +261,15 @@ class DAPOTrainer:
 
 
 def train(
-    cfg: Config, *, resume: bool = False, overwrite: bool = False, say=print, layout_text: Optional[str] = None
+    cfg: Config, *, resume: bool = False, overwrite: bool = False, say=print, layout: Optional[ParallelLayout] = None
 ) -> dict[str, float]:
     """Run DAPO training as configured (every rank calls it); returns the last step's metrics.
 
     A non-empty `trainer.output_dir` needs `resume` (continue the run there) or `overwrite` (delete
-    that run's checkpoints and logs first); see `output_dir.check_output_dir`. `layout_text`: the
-    caller ran `startup.preflight` already (see `startup.start`)."""
+    that run's checkpoints and logs first); see `output_dir.check_output_dir`. `layout`: the
+    caller ran `startup.preflight` already and passes the run's layout it returned (see `startup.start`)."""
     runtime = start(
-        cfg, say=say, resume=resume, overwrite=overwrite, reference=cfg.algorithm.kl.use_kl_loss, layout_text=layout_text
+        cfg, say=say, resume=resume, overwrite=overwrite, reference=cfg.algorithm.kl.use_kl_loss, layout=layout
     )
     if is_logging_rank():
         write_resolved_config(cfg, runtime.output_dir)

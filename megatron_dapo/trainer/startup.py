@@ -41,8 +41,9 @@ class Runtime:
 
 def preflight(
     cfg: Config, world_size: int, *, needs_data: bool = True, resume: Optional[bool] = None, overwrite: bool = False
-) -> str:
-    """Every check that needs no model, before any process group exists. Returns the layout text.
+) -> ParallelLayout:
+    """Every check that needs no model, before any process group exists. Returns the run's layout
+    (`Config.parallel_layout`): built here, once, and passed down.
 
     `resume` not None: `trainer.output_dir` is checked for a previous run (`check_output_dir`).
     Raises `ConfigError` naming the key (or the file) to change.
@@ -54,9 +55,9 @@ def preflight(
     config_file = Path(hf_dir) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"'model.hf_dir'={hf_dir} is not an HF model directory (no config.json there)")
-    hf_json = read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
+    read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
     check_model_files(cfg)
-    cfg.resolve_world(world_size)
+    layout = cfg.parallel_layout(world_size)
     if cfg.model.megatron_checkpoint and not Path(cfg.model.megatron_checkpoint).exists():
         raise ConfigError(f"'model.megatron_checkpoint'={cfg.model.megatron_checkpoint} does not exist")
     if needs_data:
@@ -68,8 +69,7 @@ def preflight(
                     raise ConfigError(f"'data.{key}' names {path}, which does not exist")
     if resume is not None:
         check_output_dir(cfg.trainer.output_dir, resume=resume, overwrite=overwrite)
-    layout = ParallelLayout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.cp, world_size)
-    return layout.describe(int(hf_json.get("num_hidden_layers", 0)) or None)
+    return layout
 
 
 # Files a transformers tokenizer is built from; without any of them `AutoTokenizer` (transformers 5)
@@ -130,14 +130,14 @@ def launch_world_size() -> int:
 
 def start(
     cfg: Config, *, needs_data: bool = True, reference: bool = False, say=print, resume: Optional[bool] = None,
-    overwrite: bool = False, layout_text: Optional[str] = None,
+    overwrite: bool = False, layout: Optional[ParallelLayout] = None,
 ) -> Runtime:
     """Pre-flight, then process groups, tokenizer and the loaded model chunks.
 
     `reference`: also load a second copy of the starting weights, for the frozen KL reference.
     `resume` / `overwrite`: the policy for a previous run in `trainer.output_dir` (`check_output_dir`;
     None: no check); with `overwrite` rank 0 deletes that run's files once every rank passed the checks.
-    `layout_text`: what `preflight` returned when the caller already ran it with these arguments
+    `layout`: what `preflight` returned when the caller already ran it with these arguments
     (`megatron-dapo train` does, before it imports the trainer); None runs it here.
     """
     from transformers import AutoTokenizer
@@ -147,13 +147,17 @@ def start(
     from megatron_dapo.model.hf_config import read_hf_config
 
     world_size = launch_world_size()
-    if layout_text is None:
-        layout_text = preflight(cfg, world_size, needs_data=needs_data, resume=resume, overwrite=overwrite)
+    if layout is None:
+        layout = preflight(cfg, world_size, needs_data=needs_data, resume=resume, overwrite=overwrite)
     ctx = init_distributed(
-        cfg.parallel, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed, gather_timeout_s=cfg.rollout.gather_timeout_s
+        layout, timeout_s=cfg.trainer.collective_timeout_s, seed=cfg.trainer.seed, gather_timeout_s=cfg.rollout.gather_timeout_s
     )
+    hf_config = read_hf_config(cfg.model.hf_dir)
     if is_logging_rank():
-        say(f"[megatron-dapo] {world_size} process(es), backend {ctx.backend}, device {ctx.device.type}\n{layout_text}")
+        say(
+            f"[megatron-dapo] {world_size} process(es), backend {ctx.backend}, device {ctx.device.type}\n"
+            + ctx.layout.describe(hf_config.num_layers)
+        )
         if overwrite:  # after init_distributed: every rank has checked the directory before it changes
             removed = clear_previous_run(cfg.trainer.output_dir)
             if removed:
@@ -162,7 +166,6 @@ def start(
     check_tokenizer(tokenizer, cfg.model.hf_dir)
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers: pad with EOS (padding never enters a loss)
         tokenizer.pad_token = tokenizer.eos_token
-    hf_config = read_hf_config(cfg.model.hf_dir)
     models = load_models(cfg, hf_config, ctx.layout)
     reference_models = load_models(cfg, hf_config, ctx.layout) if reference else None
     output_dir = Path(cfg.trainer.output_dir)

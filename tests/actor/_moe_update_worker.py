@@ -103,11 +103,10 @@ def run_aux_reference(model_dir: str, out_dir: str) -> None:
 
 def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
     """For each layout {name, tp, ep, sp, dispatcher, dist_opt}: one update of this rank's DP share."""
-    from types import SimpleNamespace
 
     from tiny_models import load_hf_model
 
-    from megatron_dapo.distributed import init_distributed, teardown
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
 
     out: dict = {"layouts": {}}
     ctx = None
@@ -116,7 +115,7 @@ def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
         for spec in layouts:
             if ctx is not None:
                 teardown(keep_process_group=True)
-            parallel = SimpleNamespace(tp=spec.get("tp", 1), pp=1, vpp=None, cp=1, ep=spec.get("ep", 1))
+            parallel = ParallelLayout(tp=spec.get("tp", 1), ep=spec.get("ep", 1))
             ctx = init_distributed(parallel, timeout_s=240, seed=3)
             from megatron.core import parallel_state as ps
 

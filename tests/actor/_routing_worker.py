@@ -16,7 +16,6 @@ tests, per layout (each rank its data-parallel share):
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -112,7 +111,7 @@ def run_layouts(model_dirs: dict, out_dir: str, layouts: list) -> None:
     and (recompute_check) gradients with and without recompute, on this rank's data-parallel share."""
     from tiny_models import load_hf_model
 
-    from megatron_dapo.distributed import init_distributed, teardown
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
 
     out: dict = {"layouts": {}}
     ctx = None
@@ -120,7 +119,7 @@ def run_layouts(model_dirs: dict, out_dir: str, layouts: list) -> None:
         for spec in layouts:
             if ctx is not None:
                 teardown(keep_process_group=True)
-            parallel = SimpleNamespace(tp=spec.get("tp", 1), pp=spec.get("pp", 1), vpp=None, cp=spec.get("cp", 1), ep=spec.get("ep", 1))
+            parallel = ParallelLayout(tp=spec.get("tp", 1), pp=spec.get("pp", 1), cp=spec.get("cp", 1), ep=spec.get("ep", 1))
             ctx = init_distributed(parallel, timeout_s=240, seed=3)
             from megatron.core import parallel_state as ps
 

@@ -56,7 +56,7 @@ def expert_parallel_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, sav
     from tiny_models import load_hf_model
 
     from megatron_dapo.checkpoint.core import load_checkpoint, save_checkpoint
-    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.distributed.layout import ParallelLayout
     from megatron_dapo.distributed import init_distributed, teardown
     from megatron_dapo.model.builder import build_gpt_models, check_against_hf
     from megatron_dapo.model.debug import megatron_logits
@@ -73,7 +73,7 @@ def expert_parallel_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, sav
         for index, spec in enumerate(layouts):
             if index:
                 teardown(keep_process_group=True)
-            parallel = ParallelConfig(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec["ep"])
+            parallel = ParallelLayout(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec["ep"])
             ctx = init_distributed(parallel, timeout_s=240, seed=3)
             entry = {}
             for arch, checkpoint in checkpoints.items():

@@ -102,7 +102,7 @@ def _library_errors() -> dict[type, int]:
     from megatron_dapo.compat.versions import IncompatibleVersionError
     from megatron_dapo.model.hf_config import ModelFileError, UnsupportedModelError
     from megatron_dapo.distributed.placement import PlacementError
-    from megatron_dapo.rollout.sync.check import CheckSyncError
+    from megatron_dapo.trainer.check_sync import CheckSyncError
     from megatron_dapo.checkpoint.disk_full import DiskFullError
 
     return {

@@ -173,11 +173,13 @@ def test_describe_lists_groups_and_stages():
     assert "padded to a multiple of 4" in context_parallel and "chunks r and 3-r" in context_parallel
 
 
-def test_from_config_reads_parallel_section():
-    from megatron_dapo.config import ParallelConfig
+def test_from_config_reads_parallel_and_rollout_sections():
+    from megatron_dapo.config import load_config
 
-    layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=4, vpp=2, cp=1), world_size=16)
-    assert (layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp) == (2, 4, 2, 1, 2)
+    cfg = load_config(None, ["parallel.tp=2", "parallel.pp=4", "parallel.vpp=2", "rollout.tp=2"])
+    layout = ParallelLayout.from_config(cfg, world_size=16)
+    assert (layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp, layout.rollout_tp) == (2, 4, 2, 1, 2, 2)
+    assert layout.placement == "leader"  # the embedded engine: "auto" is the leader placement
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +191,6 @@ from megatron_dapo.distributed.layout import (  # noqa: E402  (this block's own 
     check_expert_dispatcher,
     check_moe_sequence_parallel,
     expert_data_parallel_size,
-    expert_groups,
     experts_per_rank,
     validate_expert_parallel,
 )
@@ -272,21 +273,64 @@ def test_moe_training_at_tp_needs_sequence_parallel():
 
 
 def test_expert_groups_tp2_ep2_of_8():
-    layout = ParallelLayout(tp=2).resolve(8)
-    assert expert_groups(layout, 2, "expert_tp") == layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert expert_groups(layout, 2, "ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert expert_groups(layout, 2, "expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    layout = ParallelLayout(tp=2, ep=2).resolve(8)
+    assert layout.groups("expert_tp") == layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (layout.expert_tp, layout.expert_dp) == (2, 2)
     # Without EP the experts are replicated like every dense parameter: over the dense DP group.
-    assert expert_groups(layout, 1, "expert_dp") == layout.groups("dp")
-    with pytest.raises(ValueError, match="unknown expert group kind"):
-        expert_groups(layout, 2, "dp")
+    dense = ParallelLayout(tp=2).resolve(8)
+    assert dense.groups("expert_dp") == dense.groups("dp") and dense.expert_dp == dense.dp == 4
+    with pytest.raises(ValueError, match="unknown group kind 'expert'"):
+        layout.groups("expert")
     with pytest.raises(ValueError, match="call resolve"):
-        expert_groups(ParallelLayout(tp=2), 2, "ep")
+        ParallelLayout(tp=2, ep=2).groups("ep")
 
 
 def test_expert_groups_keep_pipeline_stages():
-    layout = ParallelLayout(pp=2).resolve(8)
-    ep_groups = expert_groups(layout, 2, "ep")
+    layout = ParallelLayout(pp=2, ep=2).resolve(8)
+    ep_groups = layout.groups("ep")
     assert ep_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     stage = {rank: layout.coordinates(rank)["pp"] for rank in range(8)}
     assert all(len({stage[r] for r in group}) == 1 for group in ep_groups)  # an expert group never spans stages
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole layout: built once from the config, every size in one object
+# ---------------------------------------------------------------------------------------------
+
+
+def _config(**overrides):
+    from megatron_dapo.config import load_config
+
+    return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
+
+
+def test_layout_from_config_holds_every_size():
+    cfg = _config(**{"parallel.tp": 2, "parallel.ep": 2, "rollout.tp": 4, "rollout.engine": "vllm"})
+    layout = ParallelLayout.from_config(cfg, 8)
+    assert (layout.tp, layout.pp, layout.cp, layout.ep, layout.rollout_tp, layout.world_size) == (2, 1, 1, 2, 4, 8)
+    assert (layout.dp, layout.expert_tp, layout.expert_dp) == (4, 2, 2)
+    assert layout.placement == "spmd" and layout.rollout_engines == 2  # vLLM's "auto": one engine per rollout-TP group
+    leader = ParallelLayout.from_config(_config(**{"parallel.tp": 4, "rollout.tp": 2, "rollout.engine": "sglang"}), 8)
+    assert leader.placement == "leader" and leader.rollout_engines == 2  # one engine per actor replica (DP = 2)
+    # Config.parallel_layout: the same layout, with the batch split checked and parallel.dp derived.
+    assert cfg.parallel_layout(8) == layout and cfg.parallel.dp == 4
+    assert "EP groups: [0, 2] [1, 3] [4, 6] [5, 7]" in layout.describe()
+
+
+def test_layout_refuses_what_does_not_fit():
+    with pytest.raises(ExpertParallelError, match="parallel.ep must divide DP x CP = 1"):
+        ParallelLayout(tp=2, ep=2).resolve(2)
+    with pytest.raises(LayoutError, match="'rollout.tp'=3 must divide the world size 8"):
+        ParallelLayout(rollout_tp=3).resolve(8)
+    with pytest.raises(LayoutError, match="'rollout.tp' must be >= 1, got 0"):
+        ParallelLayout(rollout_tp=0).validate()
+    with pytest.raises(ExpertParallelError, match="needs a mixture-of-experts model"):
+        ParallelLayout(ep=2).validate(num_experts=0)
+    with pytest.raises(LayoutError, match="made for 8 processes, the launch has 4"):
+        ParallelLayout(tp=2).resolve(8).resolve(4)
+    from megatron_dapo.distributed.layout import PlacementError
+
+    with pytest.raises(PlacementError, match="placement is 'leader' or 'spmd'"):
+        ParallelLayout(placement="auto").validate()

@@ -212,10 +212,11 @@ def test_shm_need_follows_the_weight_sync():
     from megatron_dapo.config import load_config
 
     vllm_spmd = load_config(CONFIG_32B)
-    need, why = checks.shm_need(vllm_spmd, 8, "n1")
+    need, why = checks.shm_need(vllm_spmd, vllm_spmd.parallel_layout(32), 8, "n1")
     assert need == GIB and "bucket" not in why  # SPMD tp_shards: no bucket files in /dev/shm
     leader = load_config(None, ["rollout.engine=sglang", "parallel.tp=2", "rollout.tp=2", "rollout.weight_sync_bucket_mb=512"])
-    need, why = checks.shm_need(leader, 8, "n1")
+    need, why = checks.shm_need(leader, leader.parallel_layout(8), 8, "n1")
+    assert checks.shm_need(leader, None, 8, "n1") == (GIB, why.split(" + ")[0])  # a config that does not fit: the base only
     assert need == GIB + 4 * 512 * 2**20 and "4 weight-sync bucket file(s)" in why
     small = checks.check_shm(SpaceFacts("/dev/shm", 64 * 2**20, 60 * 2**20), need, why)
     assert small.status == FAIL and "--shm-size" in small.fix

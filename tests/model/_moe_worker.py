@@ -81,9 +81,8 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
     """For each layout {name, tp, pp, ep, dispatcher}: every architecture in `model_dirs`; writes this rank's results."""
     from tiny_models import load_hf_model
 
-    from megatron_dapo.config import ParallelConfig
     from megatron_dapo.distributed import init_distributed, teardown
-    from megatron_dapo.distributed.layout import expert_groups
+    from megatron_dapo.distributed.layout import ParallelLayout
 
     out: dict = {"layouts": {}}
     input_ids = torch.randint(0, 300, (batch, seq_len), generator=torch.Generator().manual_seed(1234))
@@ -96,7 +95,7 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
     ctx = None
     try:
         for spec in layouts:
-            parallel = ParallelConfig(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec.get("ep", 1))
+            parallel = ParallelLayout(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec.get("ep", 1))
             if ctx is not None:
                 teardown(keep_process_group=True)
             ctx = init_distributed(parallel, timeout_s=240, seed=5)
@@ -104,14 +103,14 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
 
             entry = {
                 "rank": ctx.rank,
-                "ep": ctx.ep,
+                "ep": ctx.layout.ep,
                 "groups": {
                     "ep": _group_ranks(ps.get_expert_model_parallel_group),
                     "expert_tp": _group_ranks(ps.get_expert_tensor_parallel_group),
                     "expert_dp": _group_ranks(ps.get_expert_data_parallel_group),
                 },
                 "described": {
-                    kind: next(g for g in expert_groups(ctx.layout, ctx.ep, kind) if ctx.rank in g)
+                    kind: next(g for g in ctx.layout.groups(kind) if ctx.rank in g)
                     for kind in ("ep", "expert_tp", "expert_dp")
                 },
                 "archs": {},

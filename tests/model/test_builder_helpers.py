@@ -63,7 +63,7 @@ def _moe_cfg(arch: str):
 def test_moe_transformer_config():
     from megatron_dapo.distributed.layout import ParallelLayout
 
-    qwen3 = builder.build_transformer_config(_moe_cfg("qwen3_moe"), ParallelLayout(), torch.float32, expert_parallel=2)
+    qwen3 = builder.build_transformer_config(_moe_cfg("qwen3_moe"), ParallelLayout(ep=2), torch.float32)
     assert (qwen3.num_moe_experts, qwen3.moe_router_topk, qwen3.moe_ffn_hidden_size) == (4, 2, 32)
     assert qwen3.expert_model_parallel_size == 2 and qwen3.moe_token_dispatcher_type == "alltoall"
     # Qwen3-MoE renormalises the top-k weights: softmax over the top-k logits (not pre-softmax).
@@ -85,8 +85,8 @@ def test_moe_transformer_config():
 @pytest.mark.parametrize(
     "arch,kwargs,layout,message",
     [
-        ("qwen3_moe", {"expert_parallel": 3}, {}, r"parallel.ep=3 does not divide the model's num_experts=4: use parallel.ep in \{1, 2, 4\}"),
-        ("qwen3", {"expert_parallel": 2}, {}, "parallel.ep=2 needs a mixture-of-experts model"),
+        ("qwen3_moe", {}, {"ep": 3}, r"parallel.ep=3 does not divide the model's num_experts=4: use parallel.ep in \{1, 2, 4\}"),
+        ("qwen3", {}, {"ep": 2}, "parallel.ep=2 needs a mixture-of-experts model"),
         ("qwen3_moe", {"moe_token_dispatcher": "flex"}, {}, "MoE token dispatcher 'flex' is not supported"),
         ("qwen3_moe", {"moe_token_dispatcher": "allgather"}, {"pp": 2}, "allgather MoE token dispatcher does not take"),
     ],

@@ -26,7 +26,7 @@ def _megatron_rank_parameters(layouts: list) -> dict:
     for every tiny architecture the layout lists."""
     import torch
 
-    from megatron_dapo.config import ParallelConfig
+    from megatron_dapo.distributed.layout import ParallelLayout
     from megatron_dapo.distributed import init_distributed, teardown
     from megatron_dapo.model.builder import build_gpt_models
     from tiny_models import ARCHS, MOE_ARCHS, tiny_config
@@ -35,7 +35,7 @@ def _megatron_rank_parameters(layouts: list) -> dict:
     for index, spec in enumerate(layouts):
         if index:
             teardown(keep_process_group=True)
-        parallel = ParallelConfig(tp=spec.get("tp", 1), pp=spec.get("pp", 1), vpp=spec.get("vpp"), ep=spec.get("ep", 1))
+        parallel = ParallelLayout(tp=spec.get("tp", 1), pp=spec.get("pp", 1), vpp=spec.get("vpp"), ep=spec.get("ep", 1))
         ctx = init_distributed(parallel, timeout_s=240, seed=0)
         from megatron.core import parallel_state as ps
 

@@ -155,20 +155,28 @@ def test_kv_cache_is_the_pool_minus_weights_and_vllm_activations():
     sglang = plan_for(["parallel.tp=4", "rollout.tp=2", "rollout.engine=sglang"])
     g = sglang.rollout
     assert not g.activation_in_pool and g.kv_cache == pytest.approx(g.pool - g.weights)
-    assert g.generation_total - r.generation_total == pytest.approx(r.activation_peak)
+    # SGLang runs in the leader placement: one engine per actor replica (DP = 16 / TP 4 = 4) instead of
+    # vLLM's spmd one per rollout-TP group (16 / 2 = 8), so each engine's gathered results are twice as many.
+    assert (g.engines, r.engines) == (4, 8) and g.result_buffers == pytest.approx(2 * r.result_buffers, rel=0.01)
+    assert g.generation_total - r.generation_total == pytest.approx(r.activation_peak + g.result_buffers - r.result_buffers)
     assert any("sglang" in note for note in sglang.notes)
 
 
 def test_result_buffers_are_two_engines_of_gathered_rollouts():
     """`experience.pack_samples`: 8 bytes per response token, 4 per prompt token; a rank holds the buffer
     it receives and the previous one (tensor_gather.share_from_contributors)."""
-    plan = plan_for(["parallel.tp=4", "rollout.tp=2", "trainer.gen_batch_size=64", "trainer.train_batch_size=64", "rollout.n=16",
-                     "rollout.max_prompt_length=1024", "rollout.max_response_length=8192"])  # fmt: skip
+    overrides = ["parallel.tp=4", "rollout.tp=2", "trainer.gen_batch_size=64", "trainer.train_batch_size=64", "rollout.n=16",
+                 "rollout.max_prompt_length=1024", "rollout.max_response_length=8192"]  # fmt: skip
+    plan = plan_for(overrides + ["rollout.engine=vllm"])  # spmd: one engine per rollout-TP group, 16 / 2
     r = plan.rollout
     assert r.engines == 8 and r.generation_sequences_per_engine == 64 * 16 // 8
     one_engine = 128 * 8192 * 8 + 8 * 1024 * 4  # 128 responses of 8 prompts
     assert r.result_buffers == 2 * one_engine
     assert r.generation_total == pytest.approx(r.actor_kept + r.pool + r.result_buffers + plan.reserve)
+    # The leader placement (the embedded engine, SGLang) has one engine per actor replica: DP = 16 / 4.
+    leader = plan_for(overrides).rollout
+    assert leader.engines == 4 and leader.generation_sequences_per_engine == 64 * 16 // 4
+    assert leader.result_buffers == 2 * (256 * 8192 * 8 + 16 * 1024 * 4)  # 256 responses of 16 prompts
 
 
 MOE = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=8"]

@@ -1,48 +1,51 @@
-"""The weight-sync dispatcher: `rollout.weight_sync_mode` resolved, and the chosen stream pushed into the engines.
+"""The weight-sync dispatcher: the actor's weights streamed through one transport into the engines.
 
-    mode = choose_sync_mode(cfg.rollout.weight_sync_mode, tp, tp_group_hosts, engine, device_type, placement)
-    stats = sync_weights(actor.gpt_models, hf_cfg, target, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-                         tp_shards=mode != "gather")                       # every actor rank
+    transport = RolloutGroup(...)'s choice, made once per run   # FullTensors / SharedMemoryShards / InProcessShards
+    stats = sync_weights(actor.gpt_models, hf_cfg, transport, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    sync_weights(models, hf_cfg, engine)                         # an engine (or a list): FullTensors(engine)
     print(stats.gb_per_s, stats.num_buckets, stats.peak_bucket_bytes)
 
-One module per mode streams the actor's Megatron shards as HF-named tensors:
+A `WeightTransport` is one weight-sync mode (`rollout.weight_sync_mode`): what this rank streams,
+how big each item counts against a bucket, and where a bucket goes. One class per mode:
 
-* "gather" (`gather.py`): full tensors, each parameter's TP shards all-gathered; the engine's
-  owner (leader placement) or every rank (spmd) loads them with `RolloutEngine.load_weights`.
-* "shared_memory" (`shared_memory.py`, leader placement): each TP rank writes its own slices
-  (`shards.py`) into one bucket file in /dev/shm that the engine reads: no TP gather.
-* "tp_shards" (`tp_shards.py`, spmd placement with rollout TP = actor TP): each rank loads its own
-  slices into its own in-process engine shard: no gather, no file.
+* "gather" (`FullTensors`, here): full HF tensors, each parameter's TP shards all-gathered
+  (`gather.py`); the engine's owner (leader placement) or every rank (spmd) loads them with
+  `RolloutEngine.load_weights`.
+* "shared_memory" (`shared_memory.SharedMemoryShards`, leader placement): each TP rank writes its own
+  slices (`shards.py`) into one bucket file in /dev/shm that the engine reads: no TP gather.
+* "tp_shards" (`tp_shards.InProcessShards`, spmd placement with rollout TP = actor TP): each rank
+  loads its own slices into its own in-process engine shard: no gather, no file.
 
-`distributed.placement.choose_sync_mode` turns the configured value ("auto" included) into one of them, identically on
-every rank; `RolloutGroup` makes the target (the engine, a `SharedMemoryHandover` or an
-`InProcessShardTarget`) and calls `sync_weights`, which cuts the stream into buckets of at most
-``bucket_mb`` MiB (`bucketing.bucket_stream`, the rule every weight path shares) and hands each
-bucket to the target, so the extra memory held at any time is one bucket.
+`distributed.placement.choose_sync_mode` turns the configured value ("auto" included) into one of
+them, identically on every rank; `RolloutGroup` makes that transport once and calls `sync_weights`,
+which cuts the stream into buckets of at most ``bucket_mb`` MiB (`bucketing.bucket_stream`, the rule
+every weight path shares) and hands each bucket to the transport, so the extra memory held at any
+time is one bucket.
 
 Collectives. The export is a collective over the actor's model-parallel group: every actor rank
 calls `sync_weights`, in the same order, whether it owns an engine or not. Ranks without an engine
-pass ``engines=None``: they take part in the collectives and drop the tensors at once (no bucket is
-kept). Data-parallel replicas export independently.
+have a transport that delivers nothing: they take part in the collectives and drop the tensors at
+once (no bucket is kept). Data-parallel replicas export independently.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Protocol, Sequence, Union
+from typing import Any, ClassVar, Iterable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
-from megatron_dapo.rollout.sync import gather, shards
 from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, MIB, bucket_limit_bytes, bucket_stream, tensor_item_nbytes
+from megatron_dapo.rollout.sync import gather, shards
 from megatron_dapo.rollout.sync.shards import EngineShard
 
-__all__ = ["ShardLoadingEngine", "SyncStats", "sync_weights"]
+__all__ = ["FullTensors", "OwnShards", "ShardLoadingEngine", "SyncStats", "WeightTransport", "sync_weights"]
 
 
 class ShardLoadingEngine(Protocol):
-    """Takes one TP rank's slices directly (`sync_weights(..., tp_shards=True)`).
+    """Takes one TP rank's slices directly (the target of an `OwnShards` transport).
 
     Every rank of the TP group that feeds one engine has one (`shared_memory.SharedMemoryHandover`,
     `tp_shards.InProcessShardTarget`): `load_weight_shards` is called on all of them with the same
@@ -53,12 +56,112 @@ class ShardLoadingEngine(Protocol):
         """Deliver this rank's slices of one bucket (each at ``[start : start + len]`` along ``dim``)."""
 
 
+class WeightTransport(ABC):
+    """One weight-sync mode: what this rank streams and where each bucket goes.
+
+    Made once per run by `RolloutGroup` (or by a test / benchmark) and handed to `sync_weights`."""
+
+    mode: ClassVar[str]
+    """The `rollout.weight_sync_mode` value this transport implements."""
+
+    @abstractmethod
+    def stream(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float) -> Iterator[Any]:
+        """The items this rank exports (a collective over the actor's model-parallel group)."""
+
+    @abstractmethod
+    def item_bytes(self, item: Any) -> int:
+        """How much of a bucket `item` takes (identical on every rank that shares a bucket)."""
+
+    @property
+    @abstractmethod
+    def delivers(self) -> bool:
+        """Whether this rank hands buckets to an engine (False: it only takes part in the export)."""
+
+    @abstractmethod
+    def deliver(self, bucket: list) -> None:
+        """Hand one bucket to this rank's engine(s)."""
+
+    def commit(self) -> None:
+        """After the last bucket: make the engine ready to generate (vLLM finishes a lazy reload)."""
+
+    def close(self) -> None:
+        """Release what the transport holds between pushes (files, buffers); it is not used again."""
+
+
+class FullTensors(WeightTransport):
+    """Mode "gather": full HF tensors (TP shards all-gathered) into `RolloutEngine.load_weights`."""
+
+    mode = "gather"
+
+    def __init__(self, engines: Union[None, Any, Sequence[Any]]) -> None:
+        """`engines`: this rank's engine, a list of engines, or None where it owns none."""
+        self.engines = _as_engine_list(engines)
+
+    def stream(self, models, hf_config, bucket_mb):
+        return gather.iter_full_tensors(models, hf_config, bucket_mb)
+
+    def item_bytes(self, item) -> int:
+        return tensor_item_nbytes(item)
+
+    @property
+    def delivers(self) -> bool:
+        return bool(self.engines)
+
+    def deliver(self, bucket) -> None:
+        for engine in self.engines:
+            engine.load_weights(bucket)
+
+    def commit(self) -> None:
+        for engine in self.engines:
+            # Engines that apply an update lazily (vLLM's layer-wise reload) finish it now, so the
+            # engine is ready when sync_weights returns and the time is counted there.
+            commit = getattr(engine, "commit_weights", None)
+            if commit is not None:
+                commit()
+
+
+class OwnShards(WeightTransport):
+    """Each rank streams its own TP slices (no TP gather) to a `ShardLoadingEngine`; buckets are cut
+    by the slices' full sizes (`shards.full_nbytes`), identical on every TP rank. The modes
+    "shared_memory" and "tp_shards" are its subclasses, which differ in the target."""
+
+    def __init__(self, target: Optional[ShardLoadingEngine]) -> None:
+        """`target`: this rank's shard loader, or None where the rank only takes part in the export."""
+        if target is not None and not hasattr(target, "load_weight_shards"):
+            raise TypeError(f"{type(self).__name__} needs a target with load_weight_shards(); {type(target).__name__} has none")
+        self.target = target
+
+    def stream(self, models, hf_config, bucket_mb):
+        # Looked up on the module at each call: a memory ledger may pause it (tests' storage ledger).
+        return shards.iter_engine_shards(models, hf_config)
+
+    def item_bytes(self, item) -> int:
+        return shards.full_nbytes(item)
+
+    @property
+    def delivers(self) -> bool:
+        return self.target is not None
+
+    def deliver(self, bucket) -> None:
+        self.target.load_weight_shards(bucket)
+
+    def commit(self) -> None:
+        commit = getattr(self.target, "commit_weights", None)
+        if commit is not None:
+            commit()
+
+    def close(self) -> None:
+        close = getattr(self.target, "close", None)
+        if close is not None:
+            close()
+
+
 @dataclass(frozen=True)
 class SyncStats:
     """What one `sync_weights` call moved on this rank."""
 
     bytes: int
-    """Bytes of HF tensors this rank streamed: full tensors, or with ``tp_shards`` its own slices."""
+    """Bytes of HF tensors this rank streamed: full tensors, or with `OwnShards` its own slices."""
     seconds: float
     """Wall time of the whole sync on this rank: export collectives + engine loading."""
     load_seconds: float
@@ -67,7 +170,7 @@ class SyncStats:
     num_buckets: int
     peak_bucket_bytes: int
     """Largest bucket of full tensors: the extra memory the sync held at once (besides one gathered
-    parameter); with ``tp_shards`` the size of the largest shared bucket file."""
+    parameter); with `OwnShards` the size of the largest shared bucket file."""
 
     @property
     def gb_per_s(self) -> float:
@@ -97,62 +200,41 @@ def _as_engine_list(engines: Union[None, Any, Sequence[Any]]) -> list[Any]:
 def sync_weights(
     models: Sequence[torch.nn.Module],
     hf_config,
-    engines: Union[None, Any, Sequence[Any]],
+    transport: Union[WeightTransport, None, Any, Sequence[Any]],
     bucket_mb: float = DEFAULT_BUCKET_MB,
-    tp_shards: bool = False,
 ) -> SyncStats:
-    """Push the actor's current weights into this rank's engine(s), bucket by bucket.
+    """Push the actor's current weights through `transport`, bucket by bucket.
 
-    Every rank of the actor's model-parallel group calls it (a collective); `engines` is the engine,
-    a list of engines, or None on ranks that own none (their stats count the streamed bytes, with
-    no buckets). Engines must be awake (`wake_up`) first; an engine's ``commit_weights`` (if it has
-    one) is called at the end, so the engine is ready to generate when this returns.
-    With ``tp_shards`` each rank streams its own TP shards (no TP gather, buckets as in
-    `shards.iter_weight_shard_buckets`) to a `ShardLoadingEngine` (modes "shared_memory" and
-    "tp_shards"). Otherwise full HF tensors (`gather.iter_full_tensors`) go to
-    `RolloutEngine.load_weights`.
+    Every rank of the actor's model-parallel group calls it (a collective). `transport` is a
+    `WeightTransport`, or an engine / a list of engines / None, which means `FullTensors` of them.
+    Engines must be awake (`wake_up`) first; the transport's `commit` runs at the end, so the
+    engine is ready to generate when this returns. A rank whose transport delivers nothing counts
+    the streamed bytes, with no buckets.
     """
-    targets = _as_engine_list(engines)
-    if tp_shards:
-        missing = [type(e).__name__ for e in targets if not hasattr(e, "load_weight_shards")]
-        if missing:
-            raise TypeError(f"tp_shards=True needs engines with load_weight_shards(); {missing} have none")
-        # Looked up on the modules at each call: a memory ledger may pause them (storage_ledger).
-        stream = shards.iter_engine_shards(models, hf_config)
-        bucket_size = shards.full_nbytes  # identical on every TP rank (see iter_weight_shard_buckets)
-    else:
-        stream = gather.iter_full_tensors(models, hf_config, bucket_mb)
-        bucket_size = tensor_item_nbytes
+    if not isinstance(transport, WeightTransport):
+        transport = FullTensors(transport)
+    stream = transport.stream(models, hf_config, bucket_mb)
 
     start = time.perf_counter()
     load_seconds = 0.0
     total = tensors = buckets = peak = 0
-    if not targets:
+    if not transport.delivers:
         # Nothing to deliver: take part in the collectives, keep nothing. Bucket counts stay 0.
         for item in stream:
             total += tensor_item_nbytes(item)
             tensors += 1
     else:
-        for bucket in bucket_stream(stream, bucket_limit_bytes(bucket_mb), size_of=bucket_size):
+        for bucket in bucket_stream(stream, bucket_limit_bytes(bucket_mb), size_of=transport.item_bytes):
             total += sum(tensor_item_nbytes(item) for item in bucket)
             tensors += len(bucket)
             buckets += 1
-            peak = max(peak, sum(bucket_size(item) for item in bucket))
+            peak = max(peak, sum(transport.item_bytes(item) for item in bucket))
             loading = time.perf_counter()
-            for engine in targets:
-                if tp_shards:
-                    engine.load_weight_shards(bucket)
-                else:
-                    engine.load_weights(bucket)
+            transport.deliver(bucket)
             load_seconds += time.perf_counter() - loading
             del bucket  # release the bucket before the export fills the next one
         loading = time.perf_counter()
-        for engine in targets:
-            # Engines that apply an update lazily (vLLM's layer-wise reload) finish it now, so the
-            # engine is ready when sync_weights returns and the time is counted here.
-            commit = getattr(engine, "commit_weights", None)
-            if commit is not None:
-                commit()
+        transport.commit()
         load_seconds += time.perf_counter() - loading
     return SyncStats(
         bytes=total,

@@ -1,10 +1,10 @@
 """Hand the actor's TP shards to the rollout engine through the node's shared memory: no TP gather.
 
-    handover = SharedMemoryHandover.create(engine_or_None, tp_group)    # every rank of the TP group
-    sync_weights(models, hf_cfg, handover, bucket_mb=512, tp_shards=True)
-    handover.close()
+    transport = SharedMemoryShards.create(engine_or_None, tp_group)     # every rank of the TP group
+    sync_weights(models, hf_cfg, transport, bucket_mb=512)
+    transport.close()
 
-The gather path (`gather.py`: `sync_weights` without ``tp_shards``) all-gathers every parameter's TP
+The gather path (`gather.py`, transport `dispatch.FullTensors`) all-gathers every parameter's TP
 shards onto every TP rank, and then the engine's owner alone moves the full tensors into the
 engine. Here each TP rank of the owner's TP group writes only its OWN slices (`EngineShard`s: the
 HF-named pieces of its Megatron shard, with their place in the full HF tensor) straight into one
@@ -41,13 +41,15 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from megatron_dapo.model.bucketing import reserve_file_space
-from megatron_dapo.rollout.sync.shards import EngineShard
-from megatron_dapo.model.safetensors_format import safetensors_header
 from megatron_dapo.distributed.objects import broadcast_object, gather_objects
+from megatron_dapo.model.bucketing import reserve_file_space
+from megatron_dapo.model.safetensors_format import safetensors_header
+from megatron_dapo.rollout.sync.dispatch import OwnShards
+from megatron_dapo.rollout.sync.shards import EngineShard
 
 __all__ = [
     "SharedMemoryHandover",
+    "SharedMemoryShards",
     "bucket_file_entries",
     "iter_safetensors",
     "shared_memory_root",
@@ -126,7 +128,7 @@ def _first_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 class SharedMemoryHandover:
-    """One TP group's shard path into its engine (a `dispatch.ShardLoadingEngine` for `sync_weights`).
+    """One TP group's shard path into its engine (the `dispatch.ShardLoadingEngine` of `SharedMemoryShards`).
 
     Exists on every rank of the TP group that holds the engine's owner; TP group rank 0 is the owner
     (it creates the bucket directory, gives files to the engine and removes them). The owner may
@@ -198,3 +200,16 @@ class SharedMemoryHandover:
         """Remove the bucket directory (owner); idempotent."""
         if self._cleanup is not None:
             self._cleanup()
+
+
+class SharedMemoryShards(OwnShards):
+    """The weight-sync mode "shared_memory": own slices through a bucket file in /dev/shm."""
+
+    mode = "shared_memory"
+
+    @classmethod
+    def create(cls, engine: Any, group: Optional[dist.ProcessGroup], takes_part: bool = True) -> "SharedMemoryShards":
+        """Collective over `group` (the TP group of the engine's owner) where `takes_part`: the ranks of
+        the first pipeline stage and CP rank 0, which hold the slices the file is made of. Elsewhere
+        (`takes_part` False) the rank streams for the export's collectives and delivers nothing."""
+        return cls(SharedMemoryHandover.create(engine, group) if takes_part else None)

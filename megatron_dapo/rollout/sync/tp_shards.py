@@ -1,7 +1,7 @@
 """Weight sync into an SPMD engine when rollout TP = actor TP: each rank loads its OWN slices, in-process.
 
-    target = InProcessShardTarget.create(engine, tp_group)       # every rank of the TP group
-    sync_weights(models, hf_cfg, target, bucket_mb=512, tp_shards=True)
+    transport = InProcessShards.create(engine, tp_group)         # every rank of the TP group
+    sync_weights(models, hf_cfg, transport, bucket_mb=512)
 
 In the spmd placement with `rollout.tp == parallel.tp`, the vLLM TP group of a rank is the actor's
 Megatron TP group (both are the consecutive ranks [r - r % tp, ... + tp)), and TP rank r of vLLM
@@ -32,7 +32,19 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.rollout.sync.dispatch import OwnShards
 from megatron_dapo.rollout.sync.shards import EngineShard
+
+
+class InProcessShards(OwnShards):
+    """The weight-sync mode "tp_shards": own slices straight into this rank's SPMD engine shard."""
+
+    mode = "tp_shards"
+
+    @classmethod
+    def create(cls, engine: Any, group: Optional[dist.ProcessGroup]) -> "InProcessShards":
+        """Every rank of the actor's TP group (`InProcessShardTarget.create` checks the groups coincide)."""
+        return cls(InProcessShardTarget.create(engine, group))
 
 
 class InProcessShardTarget:

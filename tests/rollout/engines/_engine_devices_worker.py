@@ -1,10 +1,12 @@
-"""Worker for test_engine_devices.py: `group.engine_devices` on 4 ranks with Megatron's real process
-groups (TP 2, DP 2), each rank describing a GPU of a 4-GPU node (rank r on GPU r)."""
+"""Worker for test_engine_devices.py: `group.engine_devices` on 4 ranks of a resolved layout with
+Megatron's real process groups (TP 2, DP 2), each rank describing a GPU of a 4-GPU node (rank r on GPU r)."""
 
 from __future__ import annotations
 
 
 def main() -> dict:
+    import dataclasses
+
     import torch.distributed as dist
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed
@@ -14,7 +16,7 @@ def main() -> dict:
 
     out: dict = {}
     with reporting(out):
-        init_distributed(ParallelLayout(tp=2, pp=1), timeout_s=300)
+        ctx = init_distributed(ParallelLayout(tp=2, pp=1), timeout_s=300)
         rank = dist.get_rank()
         mine = RankGpu("node0", ("0", "1", "2", "3"), rank)
         for name, placement, engine, tp in (
@@ -26,7 +28,8 @@ def main() -> dict:
             ("leader_vllm_tp4", "leader", "vllm", 4),  # larger than a replica (TP 2): refused on every rank
         ):
             try:
-                devices = engine_devices(placement, engine, tp, mine)
+                layout = dataclasses.replace(ctx.layout, placement=placement, rollout_tp=tp)
+                devices = engine_devices(layout, engine, mine)
                 out[name] = None if devices is None else {"owner": devices.owner, "indices": list(devices.indices)}
             except PlacementError as error:
                 out[name] = {"error": str(error)}

@@ -101,7 +101,7 @@ def run_model(model_dir: str, index: int) -> dict:
         result["sync_mode"] = rollout.sync_mode
         result["sync"] = {"bytes": stats.bytes, "buckets": stats.num_buckets, "seconds": stats.seconds,
                           "full_bytes": sum(t.numel() * t.element_size() for t in expected.values())}  # fmt: skip
-        result["exchanged_vocab"] = rollout._in_process_target().exchanged_vocab
+        result["exchanged_vocab"] = rollout.transport.target.exchanged_vocab
         result["vocab_rows"] = {k: list(v) for k, v in engine.vocab_rows().items()}
         result["after_tp_shards"] = _compare(engine, expected)
 

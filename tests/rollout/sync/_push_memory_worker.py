@@ -65,8 +65,7 @@ def _moe_export(moe_dir: str) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from megatron_dapo.config import ParallelConfig
-    from megatron_dapo.distributed import init_distributed, teardown
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
     from megatron_dapo.model.arch_tables import mapping_for
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
@@ -75,7 +74,7 @@ def _moe_export(moe_dir: str) -> dict:
     from megatron_dapo.rollout.sync.storage_ledger import StorageLedger
 
     teardown(keep_process_group=True)
-    ctx = init_distributed(ParallelConfig(tp=1, pp=1, ep=2), timeout_s=300, seed=3)
+    ctx = init_distributed(ParallelLayout(ep=2), timeout_s=300, seed=3)
     cfg = read_hf_config(moe_dir)
     models = build_gpt_models(cfg, ctx.layout, torch.float32, transformer_engine="off", init_weights=False,
                               moe_token_dispatcher="alltoall")  # fmt: skip
@@ -152,7 +151,7 @@ def main(model_dir: str, moe_dir: str) -> None:
             out["tp_shards"], stats = _measured(lambda: rollout.sync_weights(models, hf_cfg, bucket_mb=BUCKET_MB))
             out["tp_shards"]["num_buckets"] = stats.num_buckets
             out["tp_shards"]["differ"] = _differ(engine, expected)
-            target = rollout._in_process_target()
+            target = rollout.transport.target
             row_bytes = hf_cfg.hidden_size * 4
             out["exchanged_rows_bytes"] = sum(
                 (end - first) * row_bytes for name, (first, end) in target.vocab_rows.items() if target.exchanged_vocab.get(name)

@@ -16,6 +16,9 @@ vLLM), then checks:
 
 It passes when every tensor is equal and max |diff| <= the tolerance. Runs on every rank of a
 world of a multiple of TP x PP processes (extra ranks are data-parallel replicas).
+
+It sits beside the trainer's hand-over (`handover.py`) because it drives the same path: a
+`ParallelLayout` with the engine's placement and TP, `RolloutGroup.sync_weights` and its transport.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from megatron_dapo.model.builder import build_gpt_models
 from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
 from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.distributed.placement import SpmdSlot
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
 from megatron_dapo.rollout.group import RolloutGroup
-from megatron_dapo.distributed.placement import SpmdSlot
 
 __all__ = ["PERTURB_FACTOR", "CheckSyncError", "run_check"]
 
@@ -63,6 +66,14 @@ class _Printer:
             print(text, flush=True)
 
 
+def engine_tp(args: argparse.Namespace) -> int:
+    """The TP size of the engine the check builds: SGLang and the spmd placement at --tp (as the
+    trainer builds them, rollout.tp = parallel.tp); the embedded engine and a leader vLLM at 1."""
+    if args.engine == "sglang" or args.placement == "spmd":
+        return args.tp
+    return 1
+
+
 def _make_engine(args: argparse.Namespace, device, torch_dtype):
     """rank 0's engine (leader placement), or this rank's shard of a TP = --tp vLLM engine (spmd)."""
     if args.engine == "embedded":
@@ -75,7 +86,7 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
         # slices of the full tensors, and named_weights gathers them back.
         return SGLangEngine(
             args.hf_dir,
-            tensor_parallel_size=args.tp,
+            tensor_parallel_size=engine_tp(args),
             dtype=args.dtype,
             mem_fraction_static=args.gpu_memory_utilization,
             max_model_len=args.prompt_length + args.max_new_tokens + 8,
@@ -93,7 +104,7 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
         kwargs["kv_cache_memory_bytes"] = int(kv_mb) << 20
     return VLLMEngine(
         args.hf_dir,
-        tensor_parallel_size=args.tp if args.placement == "spmd" else 1,
+        tensor_parallel_size=engine_tp(args),
         placement=args.placement,
         dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -192,7 +203,8 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
     also writes the verdict there as JSON ({"passed": bool}), for a parent process to read.
     """
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    ctx = init_distributed(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp), timeout_s=args.timeout_s, seed=args.seed, env=env)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, rollout_tp=engine_tp(args), placement=args.placement)
+    ctx = init_distributed(layout, timeout_s=args.timeout_s, seed=args.seed, env=env)
     say = _Printer(ctx.rank == 0)
     engine = None
     passed = False
@@ -237,8 +249,10 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
         say(f"   before the sync, {stale_compared - stale_equal} of {stale_compared} engine tensors differ from the actor"
             + ("" if stale_equal == 0 else f" ({stale_equal} unchanged by the update: a missed sync of those cannot show)"))
 
-        slot = SpmdSlot(ctx.rank, ctx.world_size, args.tp) if args.placement == "spmd" else None
-        rollout = RolloutGroup(engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot)
+        slot = SpmdSlot(ctx.rank, ctx.world_size, layout.rollout_tp) if layout.placement == "spmd" else None
+        rollout = RolloutGroup(
+            engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot, actor_tp=layout.tp
+        )
         try:
             stats = rollout.sync_weights(actor.gpt_models, hf_cfg, args.bucket_mb)
         finally:
