@@ -659,7 +659,7 @@ def validate(cfg: Config) -> None:
     _require(r.weight_sync_bucket_mb >= 1, "'rollout.weight_sync_bucket_mb' must be >= 1")
     _require(r.sleep_level in (1, 2), f"'rollout.sleep_level' must be 1 or 2, got {r.sleep_level}")
     with _config_errors():
-        check_sync_mode(r.weight_sync_mode, layout.placement, layout.tp, layout.rollout_tp)
+        check_sync_mode(r.weight_sync_mode, layout.placement, layout.tp, layout.rollout_tp, layout.ep)
 
     _require(cfg.sft.total_steps >= 0, f"'sft.total_steps' must be >= 0, got {cfg.sft.total_steps}")
     _require(cfg.sft.batch_size >= 1, f"'sft.batch_size' must be >= 1, got {cfg.sft.batch_size}")

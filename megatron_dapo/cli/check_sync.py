@@ -44,8 +44,10 @@ each TP rank writes only its own slices; auto picks like the trainer), and repor
 Exit code 0 if every tensor is equal and max |diff| <= --tolerance, 1 if not (or when the check
 could not finish), 2 on bad arguments.
 
-Run it as a plain command: it starts tp x pp processes itself (torch.distributed.run; gloo on
-CPU). Under torchrun / srun it uses the ranks it is given (world = multiple of tp x pp).
+Run it as a plain command: it starts tp x pp x ep processes itself (torch.distributed.run; gloo
+on CPU). Under torchrun / srun it uses the ranks it is given (world = multiple of tp x pp, and
+--ep must divide the data-parallel size). A mixture of experts at --ep > 1 syncs through the gather
+path (each rank holds only its own experts; the shard modes are refused).
 With --dtype bfloat16 expect max |diff| of 0.1-1 nats from kernel differences alone: raise
 --tolerance accordingly; float32 (the default) should give ~1e-5 or less.
 """
@@ -60,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="actor tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="actor pipeline-parallel size (default 1)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (default: none)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="actor expert-parallel size of a mixture-of-experts model (parallel.ep; default 1): "
+                        "each MoE layer's experts split over --ep ranks")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="actor and engine dtype (default float32: exact comparison)")  # fmt: skip
     parser.add_argument("--tolerance", type=float, default=1e-3,
@@ -115,11 +120,19 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    check_flags(args, at_least=dict.fromkeys(("tp", "pp", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"), 1))
+    check_flags(args, at_least=dict.fromkeys(("tp", "pp", "ep", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"), 1))
     if args.placement == "spmd" and args.engine != "vllm":
         raise InputError("--placement spmd needs --engine vllm")
-    if not (Path(args.hf_dir) / "config.json").is_file():
+    config_file = Path(args.hf_dir) / "config.json"
+    if not config_file.is_file():
         raise InputError(f"{args.hf_dir} is not an HF model directory (no config.json)")
+    # The model's experts against --ep and the sync mode against the layout, before any process starts.
+    from megatron_dapo.distributed.layout import experts_per_rank
+    from megatron_dapo.distributed.placement import check_sync_mode
+
+    hf = json.loads(config_file.read_text())
+    experts_per_rank(int(hf.get("num_experts") or hf.get("num_local_experts") or 0), args.ep)
+    check_sync_mode(args.sync_mode, args.placement, args.tp, args.tp if args.placement == "spmd" else None, args.ep)
 
 
 def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
@@ -138,7 +151,8 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "megatron_dapo.cli", "check-sync", *to_argv(args),
         ]  # fmt: skip
-        print(f"check-sync: starting {nproc} processes (tp={args.tp} x pp={args.pp}) with torch.distributed.run", flush=True)
+        shape = f"tp={args.tp} x pp={args.pp}" + (f" x ep={args.ep}" if args.ep > 1 else "")
+        print(f"check-sync: starting {nproc} processes ({shape}) with torch.distributed.run", flush=True)
         code = subprocess.call(command, env=env)
         if not result_file.is_file():
             raise StopError(f"the check-sync processes failed before reaching a verdict (exit code {code}; their output is above)")
@@ -147,7 +161,7 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
-    nproc = args.tp * args.pp
+    nproc = args.tp * args.pp * args.ep  # EP divides the data-parallel size: one replica per EP rank
     launched = launched_by_a_launcher()
     if not launched and nproc > 1:
         return EXIT_PASS if _relaunch(args, nproc) else EXIT_FAIL

@@ -63,12 +63,25 @@ WeightSyncMode = Literal["auto", "gather", "shared_memory", "tp_shards"]
 SYNC_MODES = get_args(WeightSyncMode)
 
 
-def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Optional[int]) -> None:
-    """The rules between `rollout.weight_sync_mode` and the placement, which need no host names:
-    `PlacementError` naming the keys for a mode the placement cannot use. The config checks them at
-    load; `choose_sync_mode`, which also knows the hosts, starts with them."""
+SHARD_MODES = ("shared_memory", "tp_shards")
+"""The modes in which each rank streams its own TP slices (`sync.dispatch.OwnShards`)."""
+
+
+def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Optional[int], ep: int = 1) -> None:
+    """The rules between `rollout.weight_sync_mode`, the placement and the actor's layout, which need
+    no host names: `PlacementError` naming the keys for a mode that cannot work. The config checks
+    them at load; `choose_sync_mode`, which also knows the hosts, starts with them.
+
+    The shard modes stream each rank's own slices of every tensor; under expert parallelism
+    (`ep` > 1) a rank holds only its own experts, so they take the gather path, whose export moves
+    the experts between expert-parallel ranks (`model.load`)."""
     if requested not in SYNC_MODES:
         raise PlacementError(f"unknown rollout.weight_sync_mode {requested!r} ({', '.join(SYNC_MODES)})")
+    if requested in SHARD_MODES and ep > 1:
+        raise PlacementError(
+            f"rollout.weight_sync_mode={requested} streams each rank's own slices, but at parallel.ep={ep} a rank holds only "
+            "its own experts: use auto or gather (the gather export moves the experts between expert-parallel ranks)"
+        )
     if placement == "spmd":
         if requested == "shared_memory":
             raise PlacementError(
@@ -94,17 +107,21 @@ def choose_sync_mode(
     device_type: str,
     placement: str = "leader",
     rollout_tp: Optional[int] = None,
+    ep: int = 1,
 ) -> str:
     """The weight-sync mode for `rollout.weight_sync_mode=requested`; pure, the same on every rank.
 
     `tp_size` is the actor's TP size, `tp_group_hosts` the host names of the engine leader's TP group
-    (leader placement), `rollout_tp` the engines' TP size (spmd placement). Raises `PlacementError`
+    (leader placement), `rollout_tp` the engines' TP size (spmd placement), `ep` the actor's
+    expert-parallel size (> 1: always gather, see `check_sync_mode`). Raises `PlacementError`
     for a mode the placement or the hosts cannot use. "auto": spmd -> tp_shards when rollout TP =
     actor TP > 1, else gather; leader -> shared_memory when the actor's TP > 1 and the leader's TP
     group shares a node, except for the embedded engine on a GPU (there the NCCL gather lands
     directly in GPU memory, while the file path would go through host memory); otherwise gather.
     """
-    check_sync_mode(requested, placement, tp_size, rollout_tp)
+    check_sync_mode(requested, placement, tp_size, rollout_tp, ep)
+    if ep > 1:
+        return "gather"
     if placement == "spmd":
         if requested == "auto":
             return "tp_shards" if rollout_tp == tp_size > 1 else "gather"

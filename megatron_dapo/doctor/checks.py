@@ -530,7 +530,8 @@ def shm_need(cfg: Any, layout: Optional[ParallelLayout], tasks_per_node: int, ho
     r = cfg.rollout
     try:
         mode = choose_sync_mode(
-            r.weight_sync_mode, layout.tp, [host] * layout.tp, r.engine, "cuda", placement=layout.placement, rollout_tp=layout.rollout_tp
+            r.weight_sync_mode, layout.tp, [host] * layout.tp, r.engine, "cuda", placement=layout.placement,
+            rollout_tp=layout.rollout_tp, ep=layout.ep,
         )
     except ValueError:
         return int(base), why

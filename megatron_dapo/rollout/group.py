@@ -185,10 +185,11 @@ class RolloutGroup:
         device_type: str = "cpu",
         sleep_level: int = 1,
         spmd: Optional[SpmdSlot] = None,
-        actor_tp: Optional[int] = None,
+        layout: Optional[ParallelLayout] = None,
     ) -> None:
-        """`spmd` is this rank's slot in the spmd placement (None: leader placement); `actor_tp` the
-        actor's TP size (None: Megatron's parallel state's, for groups made without a layout)."""
+        """`spmd` is this rank's slot in the spmd placement (None: leader placement); `layout` the
+        run's (its actor TP and EP decide the sync mode; None: Megatron's parallel state's sizes, for
+        groups made without one)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {sleep_level}")
         if spmd is not None and engine is None:
@@ -200,7 +201,7 @@ class RolloutGroup:
         self.device_type = device_type
         self.sleep_level = sleep_level
         self.spmd = spmd
-        self.actor_tp = actor_tp
+        self.layout = layout
         self.sync_mode: Optional[str] = None
         """The mode in use, decided at the first `sync_weights` ("gather", "shared_memory" or "tp_shards")."""
         self._transport: Optional[WeightTransport] = None
@@ -228,7 +229,7 @@ class RolloutGroup:
             device_type=device.type,
             sleep_level=r.sleep_level,
             spmd=slot,
-            actor_tp=layout.tp,
+            layout=layout,
         )
 
     @property
@@ -275,14 +276,17 @@ class RolloutGroup:
         return self._transport
 
     def _decide_sync_mode(self) -> str:
-        tp_size = self.actor_tp
-        if tp_size is None:
-            tp_size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        if self.layout is not None:
+            tp_size, ep = self.layout.tp, self.layout.ep
+        elif ps.model_parallel_is_initialized():
+            tp_size, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+        else:
+            tp_size, ep = 1, 1
         if self.spmd is not None:
             return choose_sync_mode(
-                self.requested_sync_mode, tp_size, [], self.engine_kind, self.device_type, placement="spmd", rollout_tp=self.spmd.tp
+                self.requested_sync_mode, tp_size, [], self.engine_kind, self.device_type, placement="spmd", rollout_tp=self.spmd.tp, ep=ep
             )
-        return choose_sync_mode(self.requested_sync_mode, tp_size, _leader_tp_group_hosts(), self.engine_kind, self.device_type)
+        return choose_sync_mode(self.requested_sync_mode, tp_size, _leader_tp_group_hosts(), self.engine_kind, self.device_type, ep=ep)
 
     def _make_transport(self, mode: str) -> WeightTransport:
         """The transport of `mode`, made once (the shard transports collectively over the actor's TP group)."""

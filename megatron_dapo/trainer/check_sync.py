@@ -114,9 +114,11 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
     )
 
 
-def _actor_config(args: argparse.Namespace):
+def _actor_config(args: argparse.Namespace, is_moe: bool):
     cfg = Config()
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp = args.tp, args.pp, args.vpp
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = args.tp, args.pp, args.vpp, args.ep
+    # As the trainer must (config check): an MoE at TP > 1 runs with sequence parallelism.
+    cfg.parallel.sequence_parallel = is_moe and args.tp > 1
     cfg.optimizer.lr = args.lr
     cfg.optimizer.warmup_steps = 0
     cfg.rollout.temperature = args.temperature
@@ -203,7 +205,7 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
     also writes the verdict there as JSON ({"passed": bool}), for a parent process to read.
     """
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, rollout_tp=engine_tp(args), placement=args.placement)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, rollout_tp=engine_tp(args), placement=args.placement)
     ctx = init_distributed(layout, timeout_s=args.timeout_s, seed=args.seed, env=env)
     say = _Printer(ctx.rank == 0)
     engine = None
@@ -212,14 +214,18 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
         hf_cfg = read_hf_config(args.hf_dir)
         layout = ctx.layout
         say(f"check-sync: {args.hf_dir} ({hf_cfg.architecture}, {hf_cfg.num_layers} layers)")
-        say(f"  actor: tp={layout.tp} pp={layout.pp}{f' vpp={layout.vpp}' if layout.vpp else ''} dp={layout.dp} "
+        say(f"  actor: tp={layout.tp} pp={layout.pp}{f' vpp={layout.vpp}' if layout.vpp else ''}"
+            f"{f' ep={layout.ep}' if layout.ep > 1 else ''} dp={layout.dp} "
             f"{args.dtype} on {ctx.device.type} ({ctx.backend});  engine: {args.engine} {args.dtype} "
             f"{'on rank 0' if args.placement == 'leader' else f'spmd, TP={args.tp} shards on every rank'}")  # fmt: skip
 
         started = time.perf_counter()
-        models = build_gpt_models(hf_cfg, layout, torch_dtype, transformer_engine=args.transformer_engine, init_weights=False)
+        cfg = _actor_config(args, hf_cfg.is_moe)
+        models = build_gpt_models(
+            hf_cfg, layout, torch_dtype, transformer_engine=args.transformer_engine, init_weights=False,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+        )  # fmt: skip
         load_hf_into_megatron(models, args.hf_dir, hf_cfg)
-        cfg = _actor_config(args)
         if args.update == "step":
             actor = build_actor(cfg, models, vocab_size=hf_cfg.vocab_size)
         else:
@@ -251,7 +257,7 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
 
         slot = SpmdSlot(ctx.rank, ctx.world_size, layout.rollout_tp) if layout.placement == "spmd" else None
         rollout = RolloutGroup(
-            engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot, actor_tp=layout.tp
+            engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot, layout=layout
         )
         try:
             stats = rollout.sync_weights(actor.gpt_models, hf_cfg, args.bucket_mb)

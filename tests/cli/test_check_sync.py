@@ -31,6 +31,11 @@ def test_help_explains_the_command(capsys):
         (["--tp", "0"], "--tp must be >= 1"),
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--placement", "spmd"], "--placement spmd needs --engine vllm"),
+        (["--ep", "0"], "--ep must be >= 1"),
+        (["--ep", "2"], "parallel.ep=2 needs a mixture-of-experts model"),  # config.json names no experts
+        (["--ep", "3", "--moe"], "parallel.ep=3 does not divide the model's num_experts=4"),
+        (["--ep", "2", "--moe", "--sync-mode", "shared_memory"], "at parallel.ep=2 a rank holds only its own experts"),
+        (["--ep", "2", "--moe", "--engine", "vllm", "--placement", "spmd", "--sync-mode", "tp_shards"], "use auto or gather"),
         ([], "is not an HF model directory (no config.json)"),
     ],
 )
@@ -40,7 +45,9 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, tmp_path, capsys, 
     hf_dir = tmp_path / "model"
     hf_dir.mkdir()
     if argv:
-        (hf_dir / "config.json").write_text("{}")  # only the last case lacks it
+        moe = "--moe" in argv  # a config.json with 4 experts
+        (hf_dir / "config.json").write_text('{"num_experts": 4}' if moe else "{}")  # only the last case lacks it
+        argv = [arg for arg in argv if arg != "--moe"]
     assert main(["check-sync", "--hf-dir", str(hf_dir), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megatron-dapo: error: ") and message in err and "starting" not in err, err

@@ -138,6 +138,12 @@ def iter_engine_shards(models: Sequence[torch.nn.Module], hf_config) -> Iterator
     """This TP rank's `EngineShard`s of the whole model, in HF order, on every pipeline stage."""
     models = [unwrap_model(m) for m in models]
     table = mapping_for(hf_config)
+    if getattr(hf_config, "is_moe", False) and ps.get_expert_model_parallel_world_size() > 1:
+        # A rank holds only its own experts; `placement.check_sync_mode` keeps the shard modes off EP > 1.
+        raise ValueError(
+            f"own-slice weight sync of an expert-parallel actor (EP={ps.get_expert_model_parallel_world_size()}): "
+            "each rank holds only its own experts; use rollout.weight_sync_mode gather"
+        )
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     vpp = len(models) if len(models) > 1 else None

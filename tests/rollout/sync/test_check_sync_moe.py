@@ -8,6 +8,11 @@ hand-over (auto at TP=2); the engine's read-back covers the router and every exp
   reported (one launch covers both; a vLLM start costs ~30 s to minutes here);
 * vLLM (spmd placement, tp_shards hand-over): every tensor equal, PASS;
 * the embedded engine (transformers' fused experts, `model/hf_experts.py`): every tensor equal, PASS.
+* expert parallelism, `--ep 2` (two processes, each holding 2 of the 4 experts of a layer): the sync
+  takes the gather path ("auto"; the shard modes are refused at EP > 1), whose export moves the
+  experts between the EP ranks; every tensor equal, PASS, for the embedded engine, vLLM in the
+  leader placement and vLLM spmd (each rank its own TP=1 engine). SGLang at EP=2:
+  tests/rollout/sync/test_sglang_check_sync.py.
 The commands start two at a time (`runs`). The dense models' runs: tests/rollout/sync/test_check_sync.py.
 """
 
@@ -53,9 +58,12 @@ def runs(moe_dir) -> dict[str, subprocess.CompletedProcess]:
         "vllm_leader": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", CORRUPTED, timeout=900),
         "vllm_spmd": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd", timeout=900),
         "embedded": lambda: _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2"),
+        "vllm_leader_ep2": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", timeout=900),
+        "vllm_spmd_ep2": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", "--placement", "spmd", timeout=900),
+        "embedded_ep2": lambda: _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--ep", "2"),
     }
     if importlib.util.find_spec("vllm") is None:
-        jobs = {"embedded": jobs["embedded"]}
+        jobs = {name: job for name, job in jobs.items() if name.startswith("embedded")}
     return two_at_a_time(jobs)
 
 
@@ -93,3 +101,15 @@ def test_embedded_engine_passes_with_every_expert_equal(runs):
     assert "model.layers.1.mlp.gate.weight" in ok
     largest = float(re.search(r"max \|diff\| (\S+)", out.stdout).group(1))
     assert largest < 1e-4
+
+
+@pytest.mark.parametrize("name", ["embedded_ep2", "vllm_leader_ep2", "vllm_spmd_ep2"])
+def test_expert_parallel_actor_syncs_every_expert(name, runs, request):
+    if name.startswith("vllm"):
+        request.getfixturevalue("require_vllm")
+    out = runs[name]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "starting 2 processes (tp=1 x pp=1 x ep=2)" in out.stdout and " ep=2 dp=2 " in out.stdout
+    assert "(gather)" in out.stdout  # auto at EP > 1: each rank holds only its own experts
+    assert f"{TENSORS} of {TENSORS} tensors equal" in out.stdout and "PASS" in out.stdout
+    assert sum(".mlp.experts." in n for n in _ok_names(out.stdout)) == 2 * 4 * 3  # every expert, both EP ranks' own
