@@ -52,6 +52,7 @@ from megatron_dapo.actor.routing import (
     local_token_order,
     pooled_routing_mismatch,
     reduce_recorded,
+    routing_dtype,
     scatter_recorded,
 )
 from megatron_dapo.actor.objective import (
@@ -227,9 +228,10 @@ class ReferenceModel:
         return (result[0], result[1]) if with_entropy else result[0]
 
     def compute_log_probs_and_routing(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs as `compute_log_probs`, and the routing the model chose: ``[n, T, L, k]`` int32
-        (`PolicyBatch.routed_experts`' layout), complete for the MoE layers of this rank's pipeline
-        stage, -1 at the other stages' layers and at positions the model does not read."""
+        """Log-probs as `compute_log_probs`, and the routing the model chose: ``[n, T, L, k]`` of
+        `routing_dtype` in host memory (`PolicyBatch.routed_experts`' layout), complete for the MoE
+        layers of this rank's pipeline stage, -1 at the other stages' layers and at positions the
+        model does not read."""
         result, routing = self._forward_only(batch, False, record_routing=True)
         return result[0], routing
 
@@ -259,7 +261,10 @@ class ReferenceModel:
                 raise ValueError("a batch with routed_experts is replayed, not recorded")
             routing = self._routing_pass(replay=False)
             layers, topk = self.config.num_layers, self.config.moe_router_topk
-            recorded = torch.full((batch.num_sequences, batch.sequence_width, layers, topk), -1, dtype=torch.int32, device=self.device)
+            # One byte an entry up to 128 experts (`routing_dtype`): the recording of a whole share is
+            # [n, T, L, k], 4x smaller than int32, and goes to host memory once the ranks combined it.
+            entry = routing_dtype(self.config.num_moe_experts)
+            recorded = torch.full((batch.num_sequences, batch.sequence_width, layers, topk), -1, dtype=entry, device=self.device)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -293,7 +298,7 @@ class ReferenceModel:
         if not record_routing:
             return result, None
         # Each TP (with SP) and CP rank recorded its own tokens; every rank of the stage gets all of them.
-        return result, reduce_recorded(recorded, ps.get_tensor_and_context_parallel_group())
+        return result, reduce_recorded(recorded, ps.get_tensor_and_context_parallel_group()).cpu()
 
 
 class MegatronActor(ReferenceModel):

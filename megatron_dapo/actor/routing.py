@@ -13,7 +13,8 @@ logits at those experts (so the router keeps its gradient).
                          r3    replay the rollout engine's routing in the old-log-prob pass and the
                                update (the engine returns it with every response)
 
-One representation travels between the parts: ``routed_experts`` ``[n, T, L, k]`` integer, the k
+One representation travels between the parts: ``routed_experts`` ``[n, T, L, k]`` integer (of
+`routing_dtype(E)`: 1 byte an entry up to 128 experts, 2 up to 32768), the k
 experts each of the L MoE layers sends token t of sequence i to, t counting the sequence's prompt
 then response tokens (`PolicyBatch.tokens_of`), for the ``p + r - 1`` tokens the model reads. A
 micro-batch turns it into the model input layout with `MicroBatch.token_source` (the canonical
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from megatron_dapo.distributed.context_parallel import split_for_cp_rank
 
 __all__ = [
+    "ROUTING_UNKNOWN",
     "RoutingMismatch",
     "RoutingPass",
     "fill_routing",
@@ -48,9 +50,30 @@ __all__ = [
     "micro_batch_routing",
     "pooled_routing_mismatch",
     "reduce_recorded",
+    "routing_dtype",
     "routing_mismatch",
     "scatter_recorded",
 ]
+
+ROUTING_UNKNOWN = -1
+"""The entry of a position no routing covers (padding, tokens past a sequence's end)."""
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed integer type holding expert ids 0..E-1 and `ROUTING_UNKNOWN`.
+
+    Routing is the bulk of an MoE rollout: L x k entries per token (48 x 8 for Qwen3-30B-A3B),
+    ~190 times a token's id and log-prob at 4 bytes an entry. One byte holds up to 128 experts,
+    two up to 32768; the routing keeps this type from the engine's output to the micro-batch,
+    which widens only its own slice to the int64 the routers index with."""
+    if num_experts < 1:
+        raise ValueError(f"routing needs a mixture-of-experts model, got num_experts={num_experts}")
+    if num_experts <= 128:
+        return torch.int8
+    if num_experts <= 32768:
+        return torch.int16
+    return torch.int32
+
 
 def fill_routing(shape: Sequence[int], device=None) -> torch.Tensor:
     """Routing of positions no token occupies: experts 0..k-1 in every layer (valid, distinct)."""
@@ -65,11 +88,12 @@ def micro_batch_routing(routed_experts: torch.Tensor, token_source: torch.Tensor
     the canonical flat position (``i * T + t``) of each input position, -1 where there is no token.
     """
     n, width, layers, topk = routed_experts.shape
-    flat = routed_experts.reshape(n * width, layers, topk).to(torch.long)
+    flat = routed_experts.reshape(n * width, layers, topk)
     source = token_source.to(flat.device)
     if flat.shape[0] == 0:  # an empty share: its micro-batch is one row of padding
         return fill_routing((*source.shape, layers, topk), flat.device)
-    taken = flat[source.clamp(min=0)]
+    # The micro-batch's positions first, then the widening: int64 of this slice only, never of the batch.
+    taken = flat[source.clamp(min=0)].to(torch.long)
     # Padding, and positions the routing does not cover (negative entries), take the fill routing.
     missing = ((source < 0)[..., None] | (taken < 0).any(dim=-1))[..., None]
     return torch.where(missing, fill_routing(taken.shape, taken.device), taken)

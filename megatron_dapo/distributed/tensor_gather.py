@@ -39,7 +39,11 @@ def _wire_device() -> torch.device:
 
 
 def share_from_contributors(
-    order_key: Optional[int], header: Any, payload: Optional[torch.Tensor], meet_on: Optional[Any] = None
+    order_key: Optional[int],
+    header: Any,
+    payload: Optional[torch.Tensor],
+    meet_on: Optional[Any] = None,
+    on_host: bool = False,
 ) -> list[tuple[Any, torch.Tensor]]:
     """Every contributor's (header, payload), ordered by `order_key`, on every rank.
 
@@ -49,7 +53,9 @@ def share_from_contributors(
     on the CPU. Without torch.distributed this is ``[(header, payload)]``.
 
     `meet_on` is the group of the meeting phase (default: `objects.meeting_group()`, the gather
-    group); tests pass the default group to show what the gather group prevents.
+    group); tests pass the default group to show what the gather group prevents. `on_host`: the
+    buffers move over that same (gloo) group in host memory, never through a GPU: for payloads only
+    the host needs (MoE routing, which would otherwise land on GPUs whose engine still holds its pool).
     """
     if payload is not None and payload.dim() != 1:
         raise ValueError(f"payload must be a 1-D tensor, got shape {tuple(payload.shape)}")
@@ -64,7 +70,8 @@ def share_from_contributors(
     keys = [key for key, _, _ in contributors]
     if len(set(keys)) != len(keys):
         raise RuntimeError(f"two ranks contributed with the same order key: {keys}")
-    device = _wire_device()
+    device = torch.device("cpu") if on_host else _wire_device()
+    move_on = meeting_group(meet_on) if on_host else None
     shared = []
     for _, src, (_, src_header, numel, dtype) in contributors:
         if src == dist.get_rank():
@@ -72,6 +79,6 @@ def share_from_contributors(
         else:
             buffer = torch.empty(numel, dtype=dtype, device=device)
         if numel:
-            dist.broadcast(buffer, src=src)
+            dist.broadcast(buffer, src=src, group=move_on)
         shared.append((src_header, buffer.cpu()))
     return shared

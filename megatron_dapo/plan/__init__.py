@@ -36,6 +36,8 @@ from megatron_dapo.plan.memory import (
     actor_memory,
     kv_cache_bytes_per_token,
     result_buffer_bytes,
+    routing_entry_bytes,
+    routing_host_bytes,
     vllm_activation_peak,
     vllm_batch_defaults,
 )
@@ -106,6 +108,8 @@ __all__ = [
     "plan_memory",
     "resolve_model",
     "result_buffer_bytes",
+    "routing_entry_bytes",
+    "routing_host_bytes",
     "rollout_weight_parameters",
     "stage_activation_bytes",
     "stage_parameter_split",

@@ -170,6 +170,22 @@ def _engine_mlp_width(model: HFModelConfig, rollout_tp: int) -> float:
     return model.num_experts_per_tok * (max(2 * width, model.hidden_size) + width) + shared
 
 
+def routing_entry_bytes(num_experts: int) -> int:
+    """Bytes of one routed-expert entry: `actor.routing.routing_dtype` (1 up to 128 experts, 2 up to 32768)."""
+    return 1 if num_experts <= 128 else 2 if num_experts <= 32768 else 4
+
+
+def routing_host_bytes(model: "HFModelConfig", sequences: int, longest_sequence: int) -> float:
+    """Host bytes of the MoE routing a rank holds for one generation batch (`trainer/samples.py`): every
+    sequence's L x k entries per token it reads, at full length, in the compact type. It travels over
+    the gather group in host memory and never lands on a GPU; every rank holds all of it until the
+    train batch is chosen (dynamic sampling needs every group)."""
+    if not model.is_moe:
+        return 0.0
+    per_token = model.num_layers * model.num_experts_per_tok * routing_entry_bytes(model.num_experts)
+    return float(sequences * longest_sequence * per_token)
+
+
 def result_buffer_bytes(responses_per_engine: int, n: int, max_prompt_length: int, max_response_length: int) -> float:
     """GPU bytes of the rollout gather while the engine is awake: two engines' flat result buffers (the one
     being received and the previous one), every response at full length (`trainer/samples.py` `pack_samples`)."""

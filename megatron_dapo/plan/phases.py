@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_dapo.config import Config, validate_model_shape
+from megatron_dapo.config import Config, engine_returns_routing, validate_model_shape
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.plan.activations import StageActivation, dispatch_buffer_bytes_per_token, stage_activation_bytes
 from megatron_dapo.plan.memory import (
@@ -60,6 +60,7 @@ from megatron_dapo.plan.memory import (
     dtype_bytes,
     kv_cache_bytes_per_token,
     result_buffer_bytes,
+    routing_host_bytes,
     vllm_activation_peak,
     vllm_batch_defaults,
 )
@@ -152,6 +153,9 @@ class RolloutMemory:
     """Host memory the offloaded state (and, at sleep level 1, the sleeping engine's weights) takes per GPU."""
     host_per_node: float
     """host_per_gpu x GPUs per node (the fullest stage on every GPU: an upper bound with PP > 1)."""
+    routing_host_per_gpu: float = 0.0
+    """MoE with the engine's routing (r3, rollout.return_routed_experts, the embedded engine): the routing of
+    one generation batch every rank holds in host memory (not pinned; `memory.routing_host_bytes`)."""
 
 
 @dataclass
@@ -280,6 +284,8 @@ def plan_memory(
     stages = [stage for stage, _ in per_stage]
     binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
     rollout = _rollout_phase(cfg, stages, engine, cluster, reserve, longest)
+    if engine_returns_routing(cfg, model.is_moe):
+        rollout.routing_host_per_gpu = routing_host_bytes(model, t.gen_batch_size * r.n, longest)
     longest_per_micro_batch = binding.max_tokens * layout.cp
     cp_needed = _smallest_context_parallel(binding.max_tokens, longest, layout.dp * layout.cp)
     notes = _notes(cfg, model, engine, rollout, longest, longest_per_micro_batch, cp_needed)

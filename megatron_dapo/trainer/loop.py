@@ -30,6 +30,7 @@ import torch
 
 from megatron_dapo.actor import split_mini_batches
 from megatron_dapo.actor.offload import ActorOffload
+from megatron_dapo.actor.routing import routing_dtype
 from megatron_dapo.algorithm.advantage import grpo_advantages
 from megatron_dapo.algorithm.mismatch import log_prob_mismatch
 from megatron_dapo.config import Config, engine_returns_routing
@@ -68,6 +69,8 @@ class DAPOTrainer:
         self.reward = build_reward_manager(cfg, self.tokenizer)
         self.buffer = build_sampling_buffer(cfg)
         self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe)
+        # The engine's routing stays in host memory in its compact type (1 byte an entry up to 128 experts).
+        self.routing_dtype = routing_dtype(runtime.hf_config.num_experts) if self.engine_routing else torch.int32
         self.step = 0
         self.sigterm = SigtermFlag()
         self._last_saved_step: Optional[int] = None
@@ -170,7 +173,7 @@ class DAPOTrainer:
         )  # fmt: skip
         local = generate_and_score(
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,
-            uid_prefix=f"s{self.step}g{gen_index}r{share}p",
+            uid_prefix=f"s{self.step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype,
         )  # fmt: skip
         return gather_samples(local, order_key=share)
 

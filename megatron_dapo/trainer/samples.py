@@ -94,11 +94,14 @@ def generate_and_score(
     *,
     validating: bool = False,
     apply_overlong: bool = True,
+    routing_dtype: torch.dtype = torch.int32,
 ) -> Optional[Samples]:
     """Generate `params.n` responses per example and score them where `rollout.is_leader`; None elsewhere.
 
     `examples` are `data.PromptExample`s (prompt ids, ground truth, data source, extra info); the uid
-    of example i is ``f"{uid_prefix}{i}"``.
+    of example i is ``f"{uid_prefix}{i}"``. Routed experts, when the engine returns them, are kept
+    in host memory as `routing_dtype` (`actor.routing.routing_dtype` of the model: 1 byte an entry
+    up to 128 experts).
     """
     if not examples:
         return Samples.concat([]) if rollout.is_leader else None
@@ -130,7 +133,7 @@ def generate_and_score(
         overlong_penalty=rewards.overlong_penalty.tolist(),
         data_source=[ex.data_source for ex in owners],
         reward_error=list(rewards.errors),
-        routed_experts=None if out.routed_experts is None else [torch.as_tensor(r, dtype=torch.int32) for r in out.routed_experts],
+        routed_experts=None if out.routed_experts is None else [torch.as_tensor(r).to("cpu", routing_dtype) for r in out.routed_experts],
     )
 
 
@@ -154,25 +157,30 @@ def gather_samples(local: Optional[Samples], order_key: Optional[int] = None, me
     `order_key` defaults to the data-parallel rank, so replica 0's samples come first. Called right
     after engines generated on their own: ranks first meet on the gather group (gloo,
     `rollout.gather_timeout_s`; `meet_on` overrides it), then the token buffers move over the default
-    group (`tensor_gather.share_from_contributors`).
+    group (`tensor_gather.share_from_contributors`). MoE routing, when present, moves in a second
+    exchange over the gather group in host memory (it never lands on a GPU), in its compact type.
     """
-    if local is None:
-        shared = share_from_contributors(None, None, None, meet_on=meet_on)
-    else:
-        header, payload = pack_samples(local)
+    key, header, payload, routing = None, None, None, None
+    if local is not None:
+        header, payload, routing = pack_samples(local)
         key = data_parallel_rank_and_size()[0] if order_key is None else order_key
-        shared = share_from_contributors(key, header, payload, meet_on=meet_on)
-    return Samples.concat([unpack_samples(header, payload) for header, payload in shared])
+    shared = share_from_contributors(key, header, payload, meet_on=meet_on)
+    routings: list[Optional[torch.Tensor]] = [None] * len(shared)
+    if any(entry_header["routing_shape"] is not None for entry_header, _ in shared):  # the same verdict on every rank
+        mine = routing if routing is not None else torch.empty(0, dtype=torch.int8)
+        routed = share_from_contributors(key, None, mine, meet_on=meet_on, on_host=True)
+        routings = [flat for _, flat in routed]
+    return Samples.concat([unpack_samples(h, p, r) for (h, p), r in zip(shared, routings)])
 
 
 _TENSOR_FIELDS = ("prompt_ids", "response_ids", "rollout_log_probs", "routed_experts")
 
 
-def pack_samples(samples: Samples) -> tuple[dict[str, Any], torch.Tensor]:
-    """(header, payload): the small fields as lists, and one flat int32 tensor holding the prompts
-    (each run of responses sharing a prompt sends it once), the responses, the float32 log-probs'
-    bits, then the routed experts when present. `unpack_samples` inverts it exactly (the log-probs
-    bit for bit)."""
+def pack_samples(samples: Samples) -> tuple[dict[str, Any], torch.Tensor, Optional[torch.Tensor]]:
+    """(header, payload, routing): the small fields as lists; one flat int32 tensor holding the
+    prompts (each run of responses sharing a prompt sends it once), the responses and the float32
+    log-probs' bits; and the routed experts, when present, as one flat tensor of their own compact
+    type (None otherwise). `unpack_samples` inverts it exactly (the log-probs bit for bit)."""
     prompt_runs: list[int] = []  # how many consecutive responses share each distinct prompt
     prompts: list[torch.Tensor] = []
     for prompt in samples.prompt_ids:
@@ -195,12 +203,13 @@ def pack_samples(samples: Samples) -> tuple[dict[str, Any], torch.Tensor]:
         log_probs = torch.cat([lp.to(torch.float32) for lp in samples.rollout_log_probs])
     else:
         log_probs = torch.empty(0, dtype=torch.float32)
-    parts = [ids, log_probs.view(torch.int32)]
     header["routing_shape"] = None
+    routing = None
     if samples.routed_experts is not None:
         header["routing_shape"] = _routing_shape(samples)
-        parts += [r.to(torch.int32).reshape(-1) for r in samples.routed_experts]
-    return header, torch.cat(parts)
+        dtype = samples.routed_experts[0].dtype if len(samples) else torch.int8
+        routing = torch.cat([r.to(dtype).reshape(-1) for r in samples.routed_experts]) if len(samples) else torch.empty(0, dtype=dtype)
+    return header, torch.cat([ids, log_probs.view(torch.int32)]), routing
 
 
 def _routing_shape(samples: Samples) -> Optional[list[int]]:
@@ -214,20 +223,26 @@ def _routing_shape(samples: Samples) -> Optional[list[int]]:
                 f"(want [{read}, layers, top-k], the same layers and top-k for every sample)"
             )
         shape = list(routing.shape[1:])
+    if len({r.dtype for r in samples.routed_experts or []}) > 1:
+        raise ValueError("the samples' routed experts differ in type: give generate_and_score one routing_dtype")
     return shape
 
 
-def unpack_samples(header: dict[str, Any], payload: torch.Tensor) -> Samples:
-    """The `Samples` that `pack_samples` turned into (header, payload); tensors are views of one buffer."""
+def unpack_samples(header: dict[str, Any], payload: torch.Tensor, routing: Optional[torch.Tensor] = None) -> Samples:
+    """The `Samples` that `pack_samples` turned into (header, payload, routing); tensors are views of
+    the buffers."""
     prompt_lengths, response_lengths = header["prompt_lengths"], header["response_lengths"]
     num_prompt_tokens, num_response_tokens = sum(prompt_lengths), sum(response_lengths)
     sample_prompt_lengths = [n for n, run in zip(prompt_lengths, header["prompt_runs"]) for _ in range(run)]
     routing_shape = header.get("routing_shape")
     per_token = 0 if routing_shape is None else routing_shape[0] * routing_shape[1]
     read_lengths = [p + r - 1 for p, r in zip(sample_prompt_lengths, response_lengths)]
-    expected = num_prompt_tokens + 2 * num_response_tokens + per_token * sum(read_lengths)
+    expected = num_prompt_tokens + 2 * num_response_tokens
     if payload.numel() != expected:
         raise ValueError(f"payload has {payload.numel()} values, the header describes {expected}")
+    if routing_shape is not None and (routing is None or routing.numel() != per_token * sum(read_lengths)):
+        got = None if routing is None else routing.numel()
+        raise ValueError(f"routing has {got} entries, the header describes {per_token * sum(read_lengths)}")
     ids = payload[: num_prompt_tokens + num_response_tokens].long()
     log_probs_end = num_prompt_tokens + 2 * num_response_tokens
     log_probs = payload[num_prompt_tokens + num_response_tokens : log_probs_end].view(torch.float32)
@@ -235,7 +250,7 @@ def unpack_samples(header: dict[str, Any], payload: torch.Tensor) -> Samples:
     prompt_ids = [prompt for prompt, run in zip(distinct_prompts, header["prompt_runs"]) for _ in range(run)]
     routed = None
     if routing_shape is not None:
-        flat = torch.split(payload[log_probs_end:], [per_token * n for n in read_lengths])
+        flat = torch.split(routing, [per_token * n for n in read_lengths])
         routed = [part.view(n, *routing_shape) for part, n in zip(flat, read_lengths)]
     skip = ("prompt_runs", "prompt_lengths", "response_lengths", "routing_shape")
     fields = {name: value for name, value in header.items() if name not in skip}
@@ -277,9 +292,10 @@ def build_policy_batch(
 
 
 def _routing_tensor(routed_experts: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """[n, width, layers, top-k] int32 from per-sample routings (positions past each one: -1)."""
+    """[n, width, layers, top-k] from per-sample routings, in their compact type (positions past each one: -1)."""
     shape = routed_experts[0].shape[1:] if routed_experts else (0, 0)
-    out = torch.full((len(routed_experts), width, *shape), -1, dtype=torch.int32)
+    dtype = routed_experts[0].dtype if routed_experts else torch.int8
+    out = torch.full((len(routed_experts), width, *shape), -1, dtype=dtype)
     for row, routing in enumerate(routed_experts):
         out[row, : routing.shape[0]] = routing
     return out

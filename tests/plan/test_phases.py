@@ -227,3 +227,25 @@ def test_moe_plan_sums_the_parts_and_dense_plans_have_none():
     # Over pipeline stages each stage's experts are its layers' (PP=2 on 32 GPUs: DP=8, expert DP=1).
     piped = plan_for([*MOE, "parallel.pp=2"], model="qwen3-30b-a3b", nodes=4)
     assert [s.expert_parameters for s in piped.moe.stages] == [part.expert_parameters // 2] * 2
+
+
+def test_moe_routing_is_counted_in_host_memory_in_its_compact_type():
+    """The engine's routing of one generation batch, on every rank's host (`memory.routing_host_bytes`):
+    L x k entries per token read, 1 byte each up to 128 experts (`actor.routing.routing_dtype`); none
+    on a GPU, and none where the engine returns no routing."""
+    import torch
+
+    from megatron_dapo.actor.routing import routing_dtype
+
+    for experts in (8, 128, 129, 40000):
+        assert mp.routing_entry_bytes(experts) == torch.empty(0, dtype=routing_dtype(experts)).element_size()
+    model = known("qwen3-30b-a3b")
+    overrides = ["parallel.tp=2", "parallel.ep=8", "parallel.sequence_parallel=true", "rollout.engine=vllm", "rollout.tp=2",
+                 "trainer.gen_batch_size=32", "trainer.train_batch_size=32", "rollout.n=8",
+                 "rollout.max_prompt_length=1024", "rollout.max_response_length=3072", "algorithm.overlong_buffer.len=1024"]  # fmt: skip
+    replayed = plan_for(overrides + ["actor.router_replay=r3"], model="qwen3-30b-a3b")
+    per_token = model.num_layers * model.num_experts_per_tok * 1  # 48 x 8 entries of one byte (128 experts)
+    assert per_token == 384 and replayed.rollout.routing_host_per_gpu == 32 * 8 * 4096 * per_token
+    assert "MoE routing of a generation batch" in mp.format_plan(replayed)
+    off = plan_for(overrides + ["actor.router_replay=off"], model="qwen3-30b-a3b")
+    assert off.rollout.routing_host_per_gpu == 0 and off.rollout.result_buffers == replayed.rollout.result_buffers

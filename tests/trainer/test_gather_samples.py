@@ -17,8 +17,8 @@ WORKER = Path(__file__).parent / "_gather_worker.py"
 
 def test_pack_unpack_round_trip_is_exact_and_sends_each_prompt_once():
     samples = make_samples(seed=3, num_prompts=4, n=3)
-    header, payload = pack_samples(samples)
-    assert payload.dtype == torch.int32 and payload.dim() == 1
+    header, payload, routing = pack_samples(samples)
+    assert payload.dtype == torch.int32 and payload.dim() == 1 and routing is None
     prompt_tokens = sum(p.numel() for p in samples.prompt_ids[::3])
     response_tokens = sum(r.numel() for r in samples.response_ids)
     assert payload.numel() == prompt_tokens + 2 * response_tokens  # each prompt once, ids + log-prob bits
@@ -37,13 +37,13 @@ def test_equal_prompts_of_different_groups_are_not_merged_across_a_changed_promp
         getattr(samples, name).append(getattr(samples, name)[0])
     samples.response_ids.append(torch.tensor([7, 8]))
     samples.rollout_log_probs.append(torch.tensor([-0.5, -1.5]))
-    header, payload = pack_samples(samples)
+    header, payload, _ = pack_samples(samples)
     assert header["prompt_runs"] == [2, 2, 1]
     assert as_plain(unpack_samples(header, payload)) == as_plain(samples)
 
 
 def test_empty_samples_round_trip():
-    header, payload = pack_samples(Samples.concat([]))
+    header, payload, _ = pack_samples(Samples.concat([]))
     assert payload.numel() == 0
     assert len(unpack_samples(header, payload)) == 0
 
@@ -56,7 +56,7 @@ def test_mismatched_log_probs_are_refused():
 
 
 def test_a_truncated_payload_is_refused():
-    header, payload = pack_samples(make_samples(seed=2, num_prompts=2, n=2))
+    header, payload, _ = pack_samples(make_samples(seed=2, num_prompts=2, n=2))
     with pytest.raises(ValueError, match="payload has"):
         unpack_samples(header, payload[:-1])
 
