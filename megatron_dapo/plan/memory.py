@@ -176,10 +176,10 @@ def routing_entry_bytes(num_experts: int) -> int:
 
 
 def routing_host_bytes(model: "HFModelConfig", sequences: int, longest_sequence: int) -> float:
-    """Host bytes of the MoE routing a rank holds for one generation batch (`trainer/samples.py`): every
-    sequence's L x k entries per token it reads, at full length, in the compact type. It travels over
-    the gather group in host memory and never lands on a GPU; every rank holds all of it until the
-    train batch is chosen (dynamic sampling needs every group)."""
+    """Host bytes of the MoE routing of `sequences` sequences: L x k entries per token read, at full
+    length, in the compact type (`actor.routing.routing_dtype`). It never lands on a GPU: the
+    generating rank keeps it, and sends each sample's to the replica that trains on it
+    (`trainer/routing_exchange.py`)."""
     if not model.is_moe:
         return 0.0
     per_token = model.num_layers * model.num_experts_per_tok * routing_entry_bytes(model.num_experts)

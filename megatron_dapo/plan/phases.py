@@ -154,8 +154,9 @@ class RolloutMemory:
     host_per_node: float
     """host_per_gpu x GPUs per node (the fullest stage on every GPU: an upper bound with PP > 1)."""
     routing_host_per_gpu: float = 0.0
-    """MoE with the engine's routing (r3, rollout.return_routed_experts, the embedded engine): the routing of
-    one generation batch every rank holds in host memory (not pinned; `memory.routing_host_bytes`)."""
+    """MoE with the engine's routing (r3, rollout.return_routed_experts, the embedded engine): the routing a
+    generating rank keeps (its engine's share of a generation batch) plus its replica's rows of the train
+    batch, in host memory (not pinned; `memory.routing_host_bytes`, `trainer/routing_exchange.py`)."""
 
 
 @dataclass
@@ -285,7 +286,11 @@ def plan_memory(
     binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
     rollout = _rollout_phase(cfg, stages, engine, cluster, reserve, longest)
     if engine_returns_routing(cfg, model.is_moe):
-        rollout.routing_host_per_gpu = routing_host_bytes(model, t.gen_batch_size * r.n, longest)
+        # A generating rank keeps its engine's routing of a generation batch; every rank receives its
+        # replica's rows of the train batch (`trainer/routing_exchange.py`).
+        kept = routing_host_bytes(model, engine.sequences_per_engine, longest)
+        received = routing_host_bytes(model, t.train_batch_size * r.n // layout.dp, longest)
+        rollout.routing_host_per_gpu = kept + received
     longest_per_micro_batch = binding.max_tokens * layout.cp
     cp_needed = _smallest_context_parallel(binding.max_tokens, longest, layout.dp * layout.cp)
     notes = _notes(cfg, model, engine, rollout, longest, longest_per_micro_batch, cp_needed)

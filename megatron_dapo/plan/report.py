@@ -108,7 +108,7 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("  actor state kept on the GPU (+ reference)", _gib(r.actor_kept)),
         _row("  host memory, pinned (per GPU, per node)", _gib(r.host_per_gpu), _gib(r.host_per_node)),
         *(
-            [_row("  MoE routing of a generation batch, host (per GPU, per node)", _gib(r.routing_host_per_gpu),
+            [_row("  MoE routing kept + received, host (per GPU, per node)", _gib(r.routing_host_per_gpu),
                   _gib(r.routing_host_per_gpu * plan.gpus_per_node))]
             if r.routing_host_per_gpu else []
         ),  # fmt: skip

@@ -35,7 +35,7 @@ from megatron_dapo.algorithm.advantage import grpo_advantages
 from megatron_dapo.algorithm.mismatch import log_prob_mismatch
 from megatron_dapo.config import Config, engine_returns_routing
 from megatron_dapo.data.sampler import shard_for_rank
-from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_from_leaders, is_logging_rank
+from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_from_leaders, is_logging_rank, meeting_group
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.setup import teardown
 from megatron_dapo.rollout.base import SamplingParams
@@ -47,6 +47,7 @@ from megatron_dapo.trainer.metrics import Phase
 from megatron_dapo.trainer.output_dir import checkpoints_dir, open_metrics_logger, plot_run, write_resolved_config
 from megatron_dapo.trainer.parts import build_policies, build_prompt_sampler, build_reward_manager, build_sampling_buffer, load_datasets
 from megatron_dapo.trainer.preemption import EXIT_PREEMPTED, SigtermFlag, StepStart, TrainingInterrupted
+from megatron_dapo.trainer.routing_exchange import RoutingStore, fetch_routing
 from megatron_dapo.trainer.samples import Samples, build_policy_batch, filter_metric, gather_samples, generate_and_score
 from megatron_dapo.trainer.seeds import generation_seed
 from megatron_dapo.trainer.startup import Runtime, start
@@ -71,6 +72,9 @@ class DAPOTrainer:
         self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe)
         # The engine's routing stays in host memory in its compact type (1 byte an entry up to 128 experts).
         self.routing_dtype = routing_dtype(runtime.hf_config.num_experts) if self.engine_routing else torch.int32
+        # ... kept by the rank that generated it until the train batch is chosen, then sent to the one
+        # replica that trains on it (`routing_exchange`): no rank holds the whole batch's routing.
+        self.routing_store = RoutingStore() if self.engine_routing else None
         self.step = 0
         self.sigterm = SigtermFlag()
         self._last_saved_step: Optional[int] = None
@@ -175,14 +179,37 @@ class DAPOTrainer:
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,
             uid_prefix=f"s{self.step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype,
         )  # fmt: skip
-        return gather_samples(local, order_key=share)
+        return gather_samples(local, order_key=share, routing_store=self.routing_store)
 
     def _policy_batch(self, train: Samples, advantages: torch.Tensor):
-        """This data-parallel rank's rows of the train batch as the actor's `PolicyBatch`."""
+        """This data-parallel rank's rows of the train batch as the actor's `PolicyBatch` (MoE: with
+        the engine's routing of those rows, fetched from the ranks that generated them)."""
         rows = shard_for_rank(list(range(len(train))), self.dp_rank, self.dp_size)
-        mine = Samples.from_fields({k: [v[i] for i in rows] for k, v in train.as_fields().items()})
+        mine = Samples.from_fields({k: [v[i] for i in rows] for k, v in train.as_fields().items() if k != "routing_ref"})
+        if train.routing_ref is not None:
+            routing = self._fetch_routing(train)
+            mine.routed_experts = [routing[i] for i in rows]
         width = max(1, max(len(r) for r in mine.response_ids))
         return build_policy_batch(mine, advantages[rows], self.tokenizer.pad_token_id, width, self.cfg.algorithm.overlong_filter)
+
+    def _fetch_routing(self, train: Samples) -> dict[int, torch.Tensor]:
+        """The engine's routing of the train rows this rank's replica trains on (a world collective
+        over the gather group); the generating ranks' stores are emptied after it."""
+        layout = self.runtime.ctx.layout
+        replica_of_row = [0] * len(train)
+        for dp_rank in range(self.dp_size):
+            for row in shard_for_rank(list(range(len(train))), dp_rank, self.dp_size):
+                replica_of_row[row] = dp_rank
+        replica_ranks = [[r for r in range(layout.world_size) if layout.coordinates(r)["dp"] == d] for d in range(self.dp_size)]
+        hf = self.runtime.hf_config
+        read = [p.numel() + r.numel() - 1 for p, r in zip(train.prompt_ids, train.response_ids)]
+        try:
+            return fetch_routing(
+                train.routing_ref, [replica_ranks[d] for d in replica_of_row], read, (hf.num_layers, hf.num_experts_per_tok),
+                self.routing_dtype, self.routing_store, group=meeting_group(),
+            )  # fmt: skip
+        finally:
+            self.routing_store.clear()
 
     def _old_log_probs(self, batch) -> dict[str, float]:
         """Set ``batch.old_log_probs`` and, with `actor.router_replay`, the ``routed_experts`` the update

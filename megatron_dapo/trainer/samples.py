@@ -13,10 +13,12 @@ prompt of a group once rather than n times; only the small per-sample fields are
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.actor import PolicyBatch
@@ -24,6 +26,7 @@ from megatron_dapo.config import FILTER_GROUP_METRICS
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size
 from megatron_dapo.distributed.tensor_gather import share_from_contributors
 from megatron_dapo.reward.overlong import overlong_loss_mask
+from megatron_dapo.trainer.routing_exchange import RoutingStore
 
 
 @dataclass
@@ -52,21 +55,28 @@ class Samples:
     """Why the reward function failed on the response (it then scores reward.min_reward), None where it scored."""
     routed_experts: Optional[list[torch.Tensor]] = None
     """Mixture-of-experts models, when the engine returned it (`SamplingParams.return_routed_experts`):
-    int32 [prompt + response - 1, MoE layers, top-k], the experts of every token the model read."""
+    [prompt + response - 1, MoE layers, top-k] of `actor.routing.routing_dtype`, the experts of every
+    token the model read."""
+    routing_ref: Optional[list[tuple[int, int]]] = None
+    """Instead of ``routed_experts`` after a `gather_samples` with a `RoutingStore`: where each
+    sample's routing stays (owner rank, index) until `routing_exchange.fetch_routing` delivers it."""
 
     def __post_init__(self) -> None:
-        if self.routed_experts is not None and len(self.routed_experts) != len(self.uid):
-            raise ValueError(f"{len(self.routed_experts)} routings for {len(self.uid)} samples")
+        for name in _PER_SAMPLE_OPTIONAL:
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.uid):
+                raise ValueError(f"{len(values)} {name} for {len(self.uid)} samples")
 
     def __len__(self) -> int:
         return len(self.uid)
 
     def as_fields(self) -> dict[str, Any]:
         """The fields as `DynamicSamplingBuffer` stores them (lists, indexed by sample); no
-        ``routed_experts`` key when the engine returned none."""
+        ``routed_experts`` / ``routing_ref`` key where there is none."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        if values["routed_experts"] is None:
-            del values["routed_experts"]
+        for name in _PER_SAMPLE_OPTIONAL:
+            if values[name] is None:
+                del values[name]
         return values
 
     @classmethod
@@ -75,14 +85,18 @@ class Samples:
 
     @classmethod
     def concat(cls, parts: Sequence["Samples"]) -> "Samples":
-        names = [f.name for f in fields(cls) if f.name != "routed_experts"]
+        names = [f.name for f in fields(cls) if f.name not in _PER_SAMPLE_OPTIONAL]
         merged = cls(**{name: [v for part in parts for v in getattr(part, name)] for name in names})
-        routed = [part.routed_experts is not None for part in parts if len(part)]
-        if routed and all(routed):
-            merged.routed_experts = [v for part in parts for v in (part.routed_experts or [])]
-        elif any(routed):
-            raise ValueError("some generation batches carry routed experts and others not")
+        for name in _PER_SAMPLE_OPTIONAL:
+            present = [getattr(part, name) is not None for part in parts if len(part)]
+            if present and all(present):
+                setattr(merged, name, [v for part in parts for v in (getattr(part, name) or [])])
+            elif any(present):
+                raise ValueError(f"some generation batches carry {name.replace('_', ' ')} and others not")
         return merged
+
+
+_PER_SAMPLE_OPTIONAL = ("routed_experts", "routing_ref")
 
 
 def generate_and_score(
@@ -150,7 +164,12 @@ def filter_metric(samples: Samples, name: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-def gather_samples(local: Optional[Samples], order_key: Optional[int] = None, meet_on: Optional[Any] = None) -> Samples:
+def gather_samples(
+    local: Optional[Samples],
+    order_key: Optional[int] = None,
+    meet_on: Optional[Any] = None,
+    routing_store: Optional[RoutingStore] = None,
+) -> Samples:
     """Every rank gets all contributors' samples, in `order_key` order (world collective).
 
     Contributors are the ranks with samples (`generate_and_score` returns None on the others);
@@ -158,10 +177,17 @@ def gather_samples(local: Optional[Samples], order_key: Optional[int] = None, me
     after engines generated on their own: ranks first meet on the gather group (gloo,
     `rollout.gather_timeout_s`; `meet_on` overrides it), then the token buffers move over the default
     group (`tensor_gather.share_from_contributors`). MoE routing, when present, moves in a second
-    exchange over the gather group in host memory (it never lands on a GPU), in its compact type.
+    exchange over the gather group in host memory (it never lands on a GPU), in its compact type; with
+    a `routing_store` (training) it does not move at all: the contributor keeps it there and the
+    samples carry ``routing_ref`` for `routing_exchange.fetch_routing` once the train batch is chosen.
     """
     key, header, payload, routing = None, None, None, None
     if local is not None:
+        if routing_store is not None and local.routed_experts is not None:
+            owner = dist.get_rank() if dist.is_initialized() else 0
+            refs = routing_store.keep(owner, local.routed_experts)
+            _routing_shape(local)  # the same checks as a shared routing: it covers the tokens the model reads
+            local = dataclasses.replace(local, routed_experts=None, routing_ref=refs)
         header, payload, routing = pack_samples(local)
         key = data_parallel_rank_and_size()[0] if order_key is None else order_key
     shared = share_from_contributors(key, header, payload, meet_on=meet_on)

@@ -230,9 +230,9 @@ def test_moe_plan_sums_the_parts_and_dense_plans_have_none():
 
 
 def test_moe_routing_is_counted_in_host_memory_in_its_compact_type():
-    """The engine's routing of one generation batch, on every rank's host (`memory.routing_host_bytes`):
-    L x k entries per token read, 1 byte each up to 128 experts (`actor.routing.routing_dtype`); none
-    on a GPU, and none where the engine returns no routing."""
+    """The engine's routing in host memory (`memory.routing_host_bytes`): what a generating rank keeps
+    plus its replica's rows of the train batch, L x k entries per token read, 1 byte each up to 128
+    experts (`actor.routing.routing_dtype`); none on a GPU, none where the engine returns no routing."""
     import torch
 
     from megatron_dapo.actor.routing import routing_dtype
@@ -245,7 +245,10 @@ def test_moe_routing_is_counted_in_host_memory_in_its_compact_type():
                  "rollout.max_prompt_length=1024", "rollout.max_response_length=3072", "algorithm.overlong_buffer.len=1024"]  # fmt: skip
     replayed = plan_for(overrides + ["actor.router_replay=r3"], model="qwen3-30b-a3b")
     per_token = model.num_layers * model.num_experts_per_tok * 1  # 48 x 8 entries of one byte (128 experts)
-    assert per_token == 384 and replayed.rollout.routing_host_per_gpu == 32 * 8 * 4096 * per_token
-    assert "MoE routing of a generation batch" in mp.format_plan(replayed)
+    # 16 GPUs: 8 spmd engines (rollout TP 2) each keep their 32 x 8 / 8 sequences; DP = 16 / 2 = 8
+    # replicas each receive their 32 x 8 / 8 rows of the train batch (`trainer/routing_exchange.py`).
+    kept, received = 32 * 8 // 8, 32 * 8 // replayed.dp
+    assert per_token == 384 and replayed.rollout.routing_host_per_gpu == (kept + received) * 4096 * per_token
+    assert "MoE routing kept + received" in mp.format_plan(replayed)
     off = plan_for(overrides + ["actor.router_replay=off"], model="qwen3-30b-a3b")
     assert off.rollout.routing_host_per_gpu == 0 and off.rollout.result_buffers == replayed.rollout.result_buffers
