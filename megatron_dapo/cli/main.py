@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_dapo.cli.config", "print the resolved configuration of a YAML file + overrides, or its error"),
     "convert": ("megatron_dapo.cli.convert", "convert checkpoints: hf-to-megatron (streaming, any TP/PP) or megatron-to-hf"),
     "check-sync": ("megatron_dapo.cli.check_sync", "check the actor -> rollout engine weight sync: bit-exact tensors, log-prob mismatch"),
+    "smoke": ("megatron_dapo.cli.smoke", "one-command check of the GPU paths (doctor, check-sync dense/MoE, an r3 step, a weight push): one table"),
 }
 
 
