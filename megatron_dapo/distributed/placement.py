@@ -116,8 +116,14 @@ def choose_sync_mode(
     expert-parallel size (> 1: always gather, see `check_sync_mode`). Raises `PlacementError`
     for a mode the placement or the hosts cannot use. "auto": spmd -> tp_shards when rollout TP =
     actor TP > 1, else gather; leader -> shared_memory when the actor's TP > 1 and the leader's TP
-    group shares a node, except for the embedded engine on a GPU (there the NCCL gather lands
-    directly in GPU memory, while the file path would go through host memory); otherwise gather.
+    group shares a node, except on a GPU for the engines whose `load_weights` takes GPU tensors
+    without a host copy (embedded, SGLang); otherwise gather. The file path goes through host
+    memory (/dev/shm): for those engines the leader would then copy the whole model back onto its
+    GPU through one PCIe link (~65 GB per push of a 32B model in bfloat16), while the gather's full
+    tensors stay on the GPUs: the embedded engine loads them in its own process, SGLang receives
+    them as CUDA IPC handles (`update_weights_from_tensor`). vLLM's leader placement takes files
+    anyway (tensors sent to its workers would travel as lists), so there the shared-memory path,
+    which needs no TP gather, wins.
     """
     check_sync_mode(requested, placement, tp_size, rollout_tp, ep)
     if ep > 1:
@@ -136,7 +142,8 @@ def choose_sync_mode(
                 "(use gather or auto)"
             )
         return "shared_memory"
-    if tp_size > 1 and one_node and not (engine_kind == "embedded" and device_type == "cuda"):
+    takes_gpu_tensors = engine_kind in ("embedded", "sglang")
+    if tp_size > 1 and one_node and not (takes_gpu_tensors and device_type == "cuda"):
         return "shared_memory"
     return "gather"
 

@@ -144,6 +144,8 @@ def fake(monkeypatch) -> FakeSGLang:
     for name, module in package.modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(sglang_engine, "_PATCHED", False)
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):  # outside a launcher: SGLang picks its ports (see the port test)
+        monkeypatch.delenv(name, raising=False)
     return package
 
 
@@ -178,6 +180,27 @@ def test_engine_is_built_on_cuda_with_exact_arguments(fake, tmp_path):
             ),
         )
     ]
+
+
+def test_engine_gets_the_ports_of_its_node_slot(fake, tmp_path, monkeypatch):
+    """Engines of one node (one per replica leader, started at once) get disjoint port / nccl_port."""
+    monkeypatch.setattr(sglang_engine, "port_is_free", lambda port: port != 20006)  # slot 3's first pair is taken
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert gpu_engine(tmp_path).ports == (20006 + 2 * 64, 20007 + 2 * 64)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    gpu_engine(tmp_path, base_port=30000)
+    gpu_engine(tmp_path, port_slot=5)
+    gpu_engine(tmp_path, port=31000, nccl_port=31001)  # the caller's own win
+    engines = [kwargs for name, kwargs in fake.calls if name == "Engine"]
+    assert [(e["port"], e["nccl_port"]) for e in engines] == [(20134, 20135), (30004, 30005), (20010, 20011), (31000, 31001)]
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("SLURM_LOCALID", "1")  # srun without init_distributed's LOCAL_RANK
+    assert gpu_engine(tmp_path).ports == (20002, 20003)
+
+
+def test_buckets_are_handed_over_on_the_gpu_on_cuda(fake, tmp_path):
+    """The CUDA path never moves a bucket to the host: it stays on this process's GPU (CUDA IPC handles)."""
+    assert SGLangEngine(tmp_path / "model", device="cuda")._device.type == "cuda"  # gpu_engine() overrides it for this machine
 
 
 def test_cuda_buckets_carry_one_payload_per_tp_rank_after_sglangs_ipc_fix(fake, tmp_path):
@@ -265,7 +288,7 @@ def test_the_fake_has_the_tested_release_signatures(require_sglang):
 
     server_args = inspect.signature(ServerArgs).parameters
     for name in ("model_path", "tp_size", "dtype", "mem_fraction_static", "random_seed", "enable_memory_saver",
-                 "base_gpu_id", "gpu_id_step", "context_length", "log_level", "attention_backend",
+                 "base_gpu_id", "gpu_id_step", "port", "nccl_port", "context_length", "log_level", "attention_backend",
                  "enable_weights_cpu_backup", "device", "disable_cuda_graph", "skip_server_warmup", "max_total_tokens", "sleep_on_idle"):  # fmt: skip
         assert name in server_args, name
     assert accepts(Engine.generate, "input_ids", "sampling_params", "return_logprob")

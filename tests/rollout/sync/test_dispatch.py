@@ -77,6 +77,11 @@ def test_sync_mode_choice():
     assert choose_sync_mode("auto", 2, one, "vllm", "cuda") == "shared_memory"
     assert choose_sync_mode("auto", 2, one, "embedded", "cpu") == "shared_memory"
     assert choose_sync_mode("auto", 2, one, "embedded", "cuda") == "gather"  # NCCL gather lands on the GPU
+    # SGLang takes the gathered tensors as CUDA IPC handles: no trip through host memory on a GPU.
+    assert choose_sync_mode("auto", 2, one, "sglang", "cuda") == "gather"
+    assert choose_sync_mode("auto", 8, ["node1"] * 8, "sglang", "cuda") == "gather"
+    assert choose_sync_mode("auto", 2, one, "sglang", "cpu") == "shared_memory"  # CPU: tensors are in host memory anyway
+    assert choose_sync_mode("shared_memory", 2, one, "sglang", "cuda") == "shared_memory"  # still there when asked for
     assert choose_sync_mode("auto", 1, ["node1"], "vllm", "cpu") == "gather"  # nothing to gather at TP=1
     assert choose_sync_mode("auto", 2, two, "vllm", "cuda") == "gather"
     assert choose_sync_mode("gather", 2, one, "vllm", "cpu") == "gather"

@@ -19,7 +19,8 @@ flattened buckets, the memory saver's tags) are checked by contract tests agains
 source (tests/rollout/engines/test_sglang_contract.py). Calls used (0.5.23, `srt/entrypoints/engine.py`):
 
 - `sglang.Engine(model_path=, tp_size=, dtype=, mem_fraction_static=, random_seed=,
-  enable_memory_saver=, context_length=, log_level=, [base_gpu_id=, gpu_id_step=,] **server_args)`;
+  enable_memory_saver=, context_length=, log_level=, [base_gpu_id=, gpu_id_step=,] [port=,
+  nccl_port=,] **server_args)`;
 - `Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=bool,
   [return_routed_experts=True])` -> one dict per input row, in input order: {"output_ids",
   "meta_info": {"finish_reason": {"type": "stop" | "length" | "abort", ...}, "output_token_logprobs":
@@ -41,6 +42,11 @@ Without them every engine starts on GPU 0: the trainer passes each leader's own 
 (`placement.assign_engine_devices`). SGLang spawns its processes: a script that builds an engine
 needs the usual `if __name__ == "__main__":` guard.
 
+Ports. Each engine gets its own `port` and `nccl_port` from its leader's node slot (LOCAL_RANK) and
+a base port (`engine_ports`): several engines starting at the same moment on one node (one per
+replica leader) would otherwise each pick a random free port and may pick the same one before
+either binds it.
+
 Generation. Each prompt is sent `n` times as separate rows (sampling param n = 1), so the output is
 prompt-major by construction and each sample can carry its own seed (`sampling_seed` = seed + row,
 sent only for seeded calls). SGLang's radix cache shares the repeated prompt's prefill. Stop
@@ -55,7 +61,8 @@ it stays open until `commit_weights` (called by the weight sync at its end, and 
 with the old weights). A failed bucket closes the session before the error is raised, so the
 engine never stays inside one. An SGLang without sessions (older than 0.5.23, accepted only with
 MEGATRON_DAPO_UNTESTED_VERSIONS=1) gets the same calls without them. Each `load_weights` call
-streams (name, tensor) pairs in buckets of `weight_bucket_mb`, moved to the engine's device. The
+streams (name, tensor) pairs in buckets of `weight_bucket_mb`, held on this process's GPU on CUDA
+(`handover_device`: where the trainer's gathered tensors already are, never the host). The
 default `weight_load_format="flattened_bucket"` packs each bucket into one flat tensor
 (`FlattenedTensorBucket`), serialises it (`MultiprocessingSerializer`: CUDA IPC handles on GPU,
 shared memory on CPU; no copy) once per TP rank -- for this format the caller hands SGLang one
@@ -87,11 +94,12 @@ import base64
 import json
 import os
 import shutil
+import socket
 import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -142,6 +150,87 @@ def cpu_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         "sleep_on_idle": True,  # else the idle scheduler spins a core at 100% (the actor's, while it trains)
         **engine_kwargs,
     }
+
+
+def handover_device(engine_device: str, current_gpu: Optional[int]) -> torch.device:
+    """Where `load_weights` hands each bucket to SGLang (pure): never the host on a GPU.
+
+    On CUDA: this process's GPU (`current_gpu`, `torch.cuda.current_device()`; None: whichever is
+    current when a bucket moves), where the trainer's gathered tensors already are (the leader's GPU
+    is its engine's TP rank 0: `placement.assign_engine_devices`), so nothing moves; SGLang's TP
+    ranks receive the bucket as CUDA IPC handles and copy from it GPU to GPU. A bucket in host
+    memory would instead cross PCIe into every TP rank's GPU (why "auto" gives SGLang on CUDA the
+    gather path: `placement.choose_sync_mode`). On CPU: host memory, which SGLang's processes share
+    through file descriptors.
+    """
+    if engine_device == "cpu":
+        return torch.device("cpu")
+    if engine_device != "cuda":
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {engine_device!r}")
+    return torch.device("cuda") if current_gpu is None else torch.device("cuda", current_gpu)
+
+
+SGLANG_BASE_PORT = 20000
+"""First port of the blocks `engine_ports` hands out: below Linux's ephemeral range (32768 on),
+where the kernel assigns no port by itself, and below SGLang's own random pick (22000-29999)."""
+NODE_SLOTS = 64
+"""Engines per node that `engine_ports` gives disjoint ports (slots beyond wrap around)."""
+PORT_ATTEMPTS = 8
+
+
+def node_slot(env: Mapping[str, str]) -> Optional[int]:
+    """This process's number among its job's processes on this node (pure): LOCAL_RANK (torchrun;
+    `distributed.init_distributed` sets it for SLURM and single launches too), else SLURM_LOCALID;
+    None outside a launcher. Distinct for every engine leader of one job on one node."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP listener could bind `port` on all IPv4 addresses now (as SGLang's TCPStore will)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not block a listener
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def engine_ports(
+    slot: int, base_port: int = SGLANG_BASE_PORT, is_free: Callable[[int], bool] = port_is_free
+) -> tuple[int, int]:
+    """(`port`, `nccl_port`) for the SGLang engine of node slot `slot` (`node_slot`); pure given `is_free`.
+
+    SGLang 0.5.23 binds `nccl_port` in TP rank 0's scheduler process (the TCPStore of its
+    torch.distributed group, `distributed/bootstrap.py`) seconds after the engine was created; left
+    unset it is a random free port checked in the parent (`PortArgs.init_new`,
+    `get_free_port_below_ephemeral`), so engines that start at the same moment on one node can pick
+    the same one before either binds it. `port` (the HTTP server's, 30000 for every engine by
+    default) is not bound by an offline engine on one node, but features the adapter leaves off
+    derive ports from it (DP attention's ZMQ ports from port + 233, the gRPC sidecar's port + 1, a
+    follower node's health check), so every engine gets its own too. Each slot
+    owns the pairs base + 2 * (slot + NODE_SLOTS * k), k = 0, 1, ...: engines of different slots
+    never try the same port, and the first pair that `is_free` accepts (nothing else listens there)
+    is taken. The ZMQ sockets between SGLang's processes are IPC files or bound atomically.
+    """
+    if slot < 0:
+        raise ValueError(f"an engine's node slot is >= 0, got {slot}")
+    if not 1024 <= base_port <= 65535 - 2 * NODE_SLOTS * PORT_ATTEMPTS:
+        raise ValueError(f"base_port must be in 1024..{65535 - 2 * NODE_SLOTS * PORT_ATTEMPTS}, got {base_port}")
+    tried = []
+    for attempt in range(PORT_ATTEMPTS):
+        port = base_port + 2 * (slot % NODE_SLOTS + NODE_SLOTS * attempt)
+        if is_free(port) and is_free(port + 1):
+            return port, port + 1
+        tried.append(port)
+    raise RuntimeError(
+        f"no free ports for the SGLang engine of node slot {slot}: tried {tried} and the port after each; "
+        "give the engine another base_port (or port= and nccl_port=)"
+    )
 
 
 def sglang_sampling_params(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
@@ -244,6 +333,8 @@ class SGLangEngine(RolloutEngine):
         gpu_id_step: int = 1,
         device: Optional[str] = None,
         return_routed_experts: bool = False,
+        port_slot: Optional[int] = None,
+        base_port: int = SGLANG_BASE_PORT,
         **engine_kwargs: Any,
     ) -> None:
         """Start SGLang on an HF model directory; other keyword arguments go to `sglang.Engine`.
@@ -255,6 +346,11 @@ class SGLangEngine(RolloutEngine):
         CUDA (SGLang's memory saver is CUDA-only). `base_gpu_id` / `gpu_id_step`: the engine's GPUs,
         TP rank i on GPU base + i * step (this process's CUDA numbering; `placement.EngineDevices`);
         None leaves SGLang's default (GPU 0 on).
+
+        `port_slot` / `base_port`: the engine's own `port` and `nccl_port` (`engine_ports`), so that
+        engines starting at once on one node never pick the same; `port_slot` None: this process's
+        `node_slot` (LOCAL_RANK), and outside a launcher SGLang's own random pick. `port=` and
+        `nccl_port=` given here win.
         """
         if base_gpu_id is not None:
             if base_gpu_id < 0 or gpu_id_step < 1:
@@ -283,7 +379,15 @@ class SGLangEngine(RolloutEngine):
         self._cache_stale = False
         self._engine = None
         # Buckets reach SGLang as CUDA IPC handles on GPU: the tensors must sit on this process's GPU.
-        self._device = torch.device("cpu" if self._on_cpu else "cuda")  # cuda: this process's current GPU
+        self._device = handover_device(device, torch.cuda.current_device() if torch.cuda.is_available() else None)
+        if "port" not in engine_kwargs or "nccl_port" not in engine_kwargs:
+            slot = node_slot(os.environ) if port_slot is None else port_slot
+            if slot is not None:
+                port, nccl_port = engine_ports(slot, base_port, port_is_free)
+                engine_kwargs.setdefault("port", port)
+                engine_kwargs.setdefault("nccl_port", nccl_port)
+        # (port, nccl_port) given to SGLang; None where SGLang picks.
+        self.ports = (engine_kwargs.get("port"), engine_kwargs.get("nccl_port"))
         if max_model_len is not None:
             engine_kwargs.setdefault("context_length", max_model_len)
         engine_kwargs.setdefault("log_level", "error")
