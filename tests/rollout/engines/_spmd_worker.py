@@ -2,9 +2,10 @@
 
 Per model (untied, then tied; both with a vocabulary whose Megatron and vLLM split points differ):
 
-1. every rank builds the Megatron actor (TP=2) from the HF checkpoint and scales its weights, so the
-   engine (started from the checkpoint) is stale everywhere; every rank builds its SPMD engine
-   (`RolloutGroup.create`'s path: `make_engine(..., placement="spmd")`), and records what vLLM's
+1. every rank builds the Megatron actor (TP=2) from the HF checkpoint and scales its weights; every
+   rank builds its SPMD engine with the trainer's default (`RolloutGroup.create`'s path:
+   `make_engine(..., placement="spmd")`): vLLM's dummy weights, no checkpoint read (its weight file
+   is hidden while the engines start), so the engine is stale everywhere; and records what vLLM's
    in-process start left of the process-wide state (threads, thread setter, RNG, environment);
 2. sync through `RolloutGroup.sync_weights` in mode "auto" (-> "tp_shards": each rank loads its own
    slices into its own engine); the engine's tensors, read back through the kernels and gathered
@@ -24,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -88,9 +90,22 @@ def run_model(model_dir: str, index: int) -> dict:
                 param.mul_(1.0 + 2.0**-5)
 
     before = _process_state()
-    started = time.perf_counter()
-    engine = VLLMEngine(model_dir, tensor_parallel_size=2, placement="spmd", **_engine_kwargs())
-    result["engine_start_seconds"] = time.perf_counter() - started
+    # The trainer pushes before it generates: the engine must start without reading the weights.
+    weights, hidden = Path(model_dir) / "model.safetensors", Path(model_dir) / "model.safetensors.hidden"
+    dist.barrier()
+    if dist.get_rank() == 0:
+        weights.rename(hidden)
+    dist.barrier()
+    try:
+        started = time.perf_counter()
+        engine = VLLMEngine(model_dir, tensor_parallel_size=2, placement="spmd", **_engine_kwargs())
+        result["engine_start_seconds"] = time.perf_counter() - started
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            hidden.rename(weights)
+    result["loads_checkpoint"] = engine.loads_checkpoint
+    result["vllm_load_format"] = str(engine._llm.llm_engine.vllm_config.load_config.load_format)
     result["process_state"] = {"before": before, "after": _process_state()}
     rollout = RolloutGroup(engine, sync_mode="auto", engine_kind="vllm", spmd=SpmdSlot(dist.get_rank(), dist.get_world_size(), 2))
     try:

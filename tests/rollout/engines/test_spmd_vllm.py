@@ -6,7 +6,8 @@ One torchrun launch of 2 ranks (_spmd_worker.py) goes through an untied and a ti
 splits at row 256 at TP=2 and vLLM at row 160: the vocabulary exchange of `spmd_sync` is needed on
 rank 1). References: the actor's own HF export (the gather path, `export_megatron_to_hf`), the
 actor's forward-only log-probs, and a leader-placement engine (vLLM's workers in their own
-processes) loaded with the same weights.
+processes) loaded with the same weights. The SPMD engine starts as the trainer's does, on vLLM's
+dummy weights without reading the checkpoint: the first push fills every tensor.
 
 Also here, pure and cheap: the placement rules (`placement.py`), the sync-mode choice per placement,
 the wake-up tags, and the process-state guard (`process_state.py`).
@@ -215,6 +216,8 @@ def test_tp2_actor_to_tp2_spmd_engine(spmd_results, model):
     ranks = [r["models"][model] for r in spmd_results]
     for rank, r in enumerate(ranks):
         assert r["engine_tp_ranks"] == [0, 1]
+        # Started on vLLM's dummy weights with the checkpoint's weight file hidden: nothing was read.
+        assert r["loads_checkpoint"] is False and r["vllm_load_format"] == "dummy"
         # Each rank loaded its own slices in-process; before that the engine was stale everywhere.
         assert r["sync_mode"] == "tp_shards" and r["gather_sync_mode"] == "gather"
         assert r["stale_before"] == r["after_tp_shards"]["compared"] > 0

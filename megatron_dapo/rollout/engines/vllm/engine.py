@@ -25,7 +25,9 @@ Two placements (`placement=`):
   `generate` with the same prompts and sampling parameters (vLLM's scheduling is deterministic,
   so every rank steps identically) and get the same outputs; different groups generate
   independently (an unseeded `generate` takes its seeds from a counter the group's ranks share).
-  Creating and shutting down the engine are collectives over the whole world.
+  Creating and shutting down the engine are collectives over the whole world. The engine starts
+  on vLLM's dummy weights unless asked to read the checkpoint (`load_checkpoint`,
+  `checkpoint_load_format`): the trainer's first push overwrites them, so no rank reads it.
   `collective_rpc` is an in-process call, so weights arrive as tensors: no file, and with
   `tp_shards.InProcessShardTarget` each rank loads its own TP slice (no gather). Starting vLLM in
   the trainer's process changes process-wide settings; `process_state.preserved_process_state`
@@ -170,6 +172,25 @@ def routed_experts_settings(wanted: bool, on_cpu: bool) -> tuple[dict[str, Any],
     return {"enable_return_routed_experts": True, "enable_prefix_caching": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
+def checkpoint_load_format(placement: str, load_checkpoint: Optional[bool]) -> Optional[str]:
+    """vLLM's `load_format` for an engine that reads the checkpoint's weights at start or not (pure):
+    None (vLLM's default, "auto": the safetensors files) or "dummy" (random values, built from
+    config.json alone: no weight file is read).
+
+    `load_checkpoint` None chooses for the trainer, which pushes the actor's weights into the engine
+    before its first `generate` (`trainer.handover.start_engine`): no read in the spmd placement,
+    where every rank would read the checkpoint for its shard (N copies of the same read at start-up)
+    only to have the first push overwrite it; a read in the leader placement, where one process per
+    engine reads it and callers may generate before any push. True / False force it: an spmd engine
+    that generates before anything is pushed (a seeding test, a check that samples first) needs True.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if load_checkpoint is None:
+        load_checkpoint = placement != "spmd"
+    return None if load_checkpoint else "dummy"
+
+
 class VLLMEngine(RolloutEngine):
     """A `vllm.LLM` as the rollout engine (see the module docstring for placements and weights)."""
 
@@ -187,6 +208,7 @@ class VLLMEngine(RolloutEngine):
         placement: str = "leader",
         visible_devices: Optional[str] = None,
         return_routed_experts: bool = False,
+        load_checkpoint: Optional[bool] = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start vLLM on an HF model directory (config, safetensors weights, tokenizer).
@@ -198,7 +220,10 @@ class VLLMEngine(RolloutEngine):
         once). `visible_devices` (leader placement) is the CUDA_VISIBLE_DEVICES of vLLM's processes:
         the engine's GPUs (`placement.EngineDevices.cuda_visible_devices`); None inherits this
         process's. `return_routed_experts`: start vLLM so that it can return each token's routed
-        experts (`routed_experts_settings`; mixture-of-experts models on GPUs). Other keyword
+        experts (`routed_experts_settings`; mixture-of-experts models on GPUs). `load_checkpoint`:
+        whether vLLM reads the checkpoint's weights at start (`checkpoint_load_format`; None: not in
+        the spmd placement, whose first push overwrites them, yes in the leader placement); False
+        starts from vLLM's dummy weights, which only a complete push replaces. Other keyword
         arguments go to `vllm.LLM` (e.g. `kv_cache_memory_bytes`).
         """
         vllm, self._tokens_prompt = _import_vllm()
@@ -213,6 +238,15 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("VLLMEngine picks distributed_executor_backend from `placement`")
         if placement == "spmd" and visible_devices is not None:
             raise ValueError("visible_devices is for the leader placement: an SPMD rank computes on its own device")
+        if "load_format" in engine_kwargs:
+            if load_checkpoint is not None:
+                raise ValueError("give load_checkpoint or vLLM's load_format, not both")
+        else:
+            load_format = checkpoint_load_format(placement, load_checkpoint)
+            if load_format is not None:
+                engine_kwargs["load_format"] = load_format
+        # Whether the engine started from the checkpoint's weights (False: vLLM's dummy weights).
+        self.loads_checkpoint = engine_kwargs.get("load_format", "auto") != "dummy"
         from vllm.platforms import current_platform
 
         self.placement = placement
