@@ -79,6 +79,9 @@ def plan_steps(machine: Machine, workspace: Path) -> list[Step]:
     # Expert parallelism needs two ranks: two GPUs, or two gloo processes on the CPU.
     ep = 2 if (machine.gpus >= 2 or not machine.on_gpu) else 1
     moe_engine = "vllm" if machine.vllm else "embedded"
+    # vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton): the r3 step
+    # takes them from vLLM on a GPU and from the embedded engine on a CPU.
+    step_engine = "vllm" if machine.vllm and machine.on_gpu else "embedded"
     push_shape = "1.5b" if machine.on_gpu else "cpu"
     scale = 1.0 if machine.on_gpu else 2.0  # CPU engines start slowly on a loaded 2-core machine
     return [
@@ -89,9 +92,9 @@ def plan_steps(machine: Machine, workspace: Path) -> list[Step]:
              timeout_s=300 * scale, skip=_engine_skip("sglang", machine)),
         Step(f"check-sync MoE, {moe_engine}, EP={ep}",
              [*cli, "check-sync", "--hf-dir", str(moe), "--engine", moe_engine, "--ep", str(ep), *dtype], timeout_s=300 * scale),
-        Step(f"trainer step, MoE, r3 routing from {moe_engine}",
+        Step(f"trainer step, MoE, r3 routing from {step_engine}",
              [*cli, "demo", "--model", "moe", "--workspace", str(workspace / "moe"), *TRAIN_STEP_OVERRIDES,
-              f"rollout.engine={moe_engine}", f"trainer.output_dir={workspace / 'moe' / 'step'}"],
+              f"rollout.engine={step_engine}", f"trainer.output_dir={workspace / 'moe' / 'step'}"],
              timeout_s=600 * scale),
         Step(f"weight push, {push_shape}-shaped", ["megatron_dapo.smoke.push", "--shape", push_shape], timeout_s=300 * scale),
     ]  # fmt: skip

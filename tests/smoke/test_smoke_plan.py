@@ -20,7 +20,7 @@ def test_cpu_sizes_without_cuda():
     steps = plan_steps(Machine(gpus=0, vllm=True, sglang=True), WS)
     assert [s.name for s in steps] == [
         "doctor", "check-sync dense, vLLM", "check-sync dense, SGLang", "check-sync MoE, vllm, EP=2",
-        "trainer step, MoE, r3 routing from vllm", "weight push, cpu-shaped",
+        "trainer step, MoE, r3 routing from embedded", "weight push, cpu-shaped",  # vLLM's CPU build returns no routing
     ]  # fmt: skip
     assert all(s.skip is None for s in steps)
     moe = _by_name(steps)["check-sync MoE"]
@@ -30,6 +30,7 @@ def test_cpu_sizes_without_cuda():
 
 def test_gpu_sizes_and_ep_only_with_two_gpus():
     one = _by_name(plan_steps(Machine(gpus=1, vllm=True, sglang=True), WS))
+    assert "rollout.engine=vllm" in one["trainer step"].argv  # on a GPU the r3 routing comes from vLLM
     assert one["check-sync MoE"].argv[one["check-sync MoE"].argv.index("--ep") + 1] == "1"
     assert one["check-sync dense"].argv[-4:] == ["--dtype", "bfloat16", "--tolerance", "0.5"]
     assert one["weight push"].argv[-1] == "1.5b"
