@@ -362,7 +362,9 @@ class TrainerConfig:
     final_checkpoint_reshardable: bool = True
     """Write the checkpoint after the last step (trainer.total_steps) in the `fully_reshardable` format
     whatever checkpoint_format says, so that a finished run can be continued at another layout (one slow
-    save per run); false keeps checkpoint_format for it too."""
+    save per run); false keeps checkpoint_format for it too. When a node that gathers the optimizer
+    state (12 bytes per parameter of each DP rank 0's shard) has too little host memory available for
+    it, the final save keeps checkpoint_format and says so (`checkpoint/final_save.py`)."""
     checkpoint_write_threads: int = 2
     """Writer threads (one file each) per rank for checkpoint data, also used to checksum it. Parallel
     file systems (Lustre, GPFS) reach their bandwidth only with several streams per client."""

@@ -22,14 +22,42 @@ def save_run_checkpoint(root: Path, step: int, actor, sampler, cfg: Config) -> P
     `trainer.checkpoint_format`; the one after the last step can be fully reshardable
     (`trainer.final_checkpoint_reshardable`), so that a finished run continues at any layout."""
     t = cfg.trainer
-    final = step >= t.total_steps and t.final_checkpoint_reshardable
+    optimizer_format = t.checkpoint_format
+    if step >= t.total_steps and t.final_checkpoint_reshardable:
+        optimizer_format = final_optimizer_format(actor, cfg)
     return save_checkpoint(
         root, step, actor.models, actor.optimizer, actor.scheduler,
         trainer_state={"step": step, "sampler": sampler.state_dict()},
         config=cfg, hf_dir=cfg.model.hf_dir, keep_last=t.keep_last,
-        optimizer_format="fully_reshardable" if final else t.checkpoint_format,
+        optimizer_format=optimizer_format,
         write_threads=t.checkpoint_write_threads,
     )  # fmt: skip
+
+
+def final_optimizer_format(actor, cfg: Config, say=print) -> str:
+    """"fully_reshardable" when the nodes that gather the optimizer state can hold it
+    (`checkpoint.final_save`), else `trainer.checkpoint_format`, said on the logging rank (a
+    collective: every rank reports its node, share and available memory)."""
+    if not cfg.parallel.use_distributed_optimizer:
+        return "fully_reshardable"  # every rank holds its full state already: nothing is gathered
+    import socket
+
+    from megatron_dapo.checkpoint.final_save import RankShare, available_host_memory, final_save_fits
+    from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_objects, is_logging_rank
+
+    mine = RankShare(
+        host=socket.gethostname(),
+        gathers=data_parallel_rank_and_size()[0] == 0,
+        parameters=sum(p.numel() for model in actor.models for p in model.parameters()),
+        available=available_host_memory(),
+    )
+    fits, why = final_save_fits(gather_objects(mine))
+    if fits:
+        return "fully_reshardable"
+    if is_logging_rank():
+        say(f"[megatron-dapo] {why}: the final checkpoint keeps trainer.checkpoint_format={cfg.trainer.checkpoint_format} "
+            "(it resumes at the same TP / PP / VPP; its weights convert to HF at any layout)", flush=True)  # fmt: skip
+    return cfg.trainer.checkpoint_format
 
 
 def resume_run(root: Path, actor, sampler) -> Optional[tuple[int, str]]:
