@@ -1,8 +1,8 @@
 """SGLang vs vLLM on CPU, same tiny model, one run: engine start, generation tokens/s, weight push.
 
 Both engines go through the project's adapters (`SGLangEngine`, `VLLMEngine`, leader placement,
-float32), on a randomly initialised Qwen3-style model (tests/tiny_models.py: hidden 64, 4 layers,
-head_dim 32, vocabulary 300). A round starts one engine of each kind in turn (the order alternates
+float32), on a randomly initialised Qwen3-style model (tests/support/tiny_models.py: hidden 64,
+4 layers, head_dim 32, vocabulary 300). A round starts one engine of each kind in turn (the order alternates
 between rounds), and on each: times the start (constructor until ready), `--pushes` weight pushes
 of the whole model through `load_weights` (the trainer's path; the median push counts for the
 round), and one `generate` of `--prompts` prompts x `--n` samples x up to `--tokens` new tokens
@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_dapo and tests.support
 
 ENGINES = ("vllm", "sglang")
 
@@ -76,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from safetensors.torch import load_file
-    from tiny_models import save_tiny_model
+    from tests.support.tiny_models import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm_cache"))  # shared by every start

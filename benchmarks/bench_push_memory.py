@@ -11,8 +11,8 @@ Two ranks (gloo, CPU), a TP=2 Megatron actor and a TP=2 vLLM engine whose shards
 two processes (`rollout.placement=spmd`), pushes in mode tp_shards (each rank its own slices) and
 gather (full tensors). Measured in one run:
 
-* memory: one push of each kind under `storage_ledger.weight_path_ledger` (the export and vLLM's
-  own loading paused): bytes the path between them allocates and the peak of those alive at once,
+* memory: one push of each kind under `weight_path_ledger` (tests/support/storage_ledger.py: the
+  export and vLLM's own loading paused): bytes the path between them allocates and the peak of those alive at once,
   per rank; and under a plain `StorageLedger` (nothing paused: export transforms and vLLM's
   layer-wise reload included) for scale. On this CPU the allocations are host memory; on a GPU
   before, each of them was a copy through pageable host memory (tp_shards: the full buffers were
@@ -187,15 +187,15 @@ def main() -> None:
     import torch.distributed as dist
 
     from megatron_dapo.distributed.objects import broadcast_object
+    from megatron_dapo.distributed.placement import SpmdSlot
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
-    from megatron_dapo.rollout.group import RolloutGroup
-    from megatron_dapo.distributed.placement import SpmdSlot
-    from megatron_dapo.rollout.sync.storage_ledger import StorageLedger, weight_path_ledger
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
+    from megatron_dapo.rollout.group import RolloutGroup
     from megatron_dapo.rollout.sync.dispatch import sync_weights
     from megatron_dapo.rollout.sync.tp_shards import InProcessShards
+    from tests.support.storage_ledger import StorageLedger, weight_path_ledger
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     ctx = init_distributed(ParallelLayout(tp=2, pp=1), timeout_s=1800, seed=0)

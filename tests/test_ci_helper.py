@@ -1,10 +1,10 @@
-"""`tests/ci.py`: one definition of "under CI" for the vLLM and SLURM tests (true / 1 / yes, any case)."""
+"""`tests/support/ci.py`: one definition of "under CI" for the vLLM and SLURM tests (true / 1 / yes, any case)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ci import skip_or_fail, under_ci
+from tests.support.ci import skip_or_fail, under_ci
 
 
 @pytest.mark.parametrize("value", ["true", "TRUE", "1", "yes", " Yes "])

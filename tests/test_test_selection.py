@@ -1,4 +1,4 @@
-"""The lists in tests/conftest.py that choose what runs where name files that exist: a renamed or
+"""The lists in tests/support/tiers.py that choose what runs where name files that exist: a renamed or
 moved file would otherwise drop out of the second stack (or of the longest-first order) unnoticed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LONGEST_FIRST, SECOND_STACK_FILES
+from tests.support.tiers import LONGEST_FIRST, SECOND_STACK_FILES
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -15,7 +15,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 @pytest.mark.parametrize("listing", [SECOND_STACK_FILES, LONGEST_FIRST], ids=["second_stack", "longest_first"])
 def test_every_listed_file_exists(listing):
     missing = [name for name in listing if not (TESTS_DIR / name).is_file()]
-    assert not missing, f"tests/conftest.py lists files that do not exist: {missing}"
+    assert not missing, f"tests/support/tiers.py lists files that do not exist: {missing}"
     assert len(set(listing)) == len(listing)
 
 

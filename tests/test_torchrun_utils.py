@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import _child_env, run_module_forked, run_slurm_function, run_torchrun_function
+from tests.support import harness_worker
+from tests.support.torchrun_utils import REPO_ROOT, _child_env, run_module_forked, run_slurm_function, run_torchrun_function
 
-WORKER = Path(__file__).parent / "_harness_worker.py"
+WORKER = Path(harness_worker.__file__)
 
 
 def test_a_hung_slurm_task_is_stopped_with_its_stack_and_state():
@@ -62,22 +63,22 @@ def test_a_failing_forked_rank_stops_the_others_as_torchrun_does():
 
 def test_a_module_run_forked_splits_streams_and_exits_as_the_command_would(tmp_path):
     env = {**_child_env(None, None), "OMP_NUM_THREADS": "2"}
-    one = run_module_forked("_harness_worker", ["3"], nproc=1, env=env, cwd=tmp_path, timeout=120)
+    one = run_module_forked("tests.support.harness_worker", ["3"], nproc=1, env=env, cwd=tmp_path, timeout=120)
     assert one is not None and one.returncode == 3
     assert one.stdout == "out rank=None threads=2 argv=['3']\n" and one.stderr.endswith(f"err {tmp_path}\n")
-    two = run_module_forked("_harness_worker", ["0"], nproc=2, env=env, cwd=tmp_path, timeout=120)
+    two = run_module_forked("tests.support.harness_worker", ["0"], nproc=2, env=env, cwd=tmp_path, timeout=120)
     assert two.returncode == 0 and two.stdout.splitlines() == ["out rank=0 threads=2 argv=['0']", "out rank=1 threads=2 argv=['0']"]
-    failed = run_module_forked("_harness_worker", ["5"], nproc=2, env=env, cwd=tmp_path, timeout=120)
+    failed = run_module_forked("tests.support.harness_worker", ["5"], nproc=2, env=env, cwd=tmp_path, timeout=120)
     assert failed.returncode == 1  # torchrun's, whatever the ranks' codes
 
 
 def test_a_variable_read_at_import_time_makes_the_command_run_fresh(tmp_path):
     env = {**_child_env(None, None), "TORCH_LOGS": "dynamo"}
-    assert run_module_forked("_harness_worker", ["0"], nproc=1, env=env, cwd=tmp_path, timeout=120) is None
+    assert run_module_forked("tests.support.harness_worker", ["0"], nproc=1, env=env, cwd=tmp_path, timeout=120) is None
 
 
 def test_a_dead_zygote_is_named_and_replaced(monkeypatch, tmp_path):
-    import rank_zygote
+    from tests.support import rank_zygote
 
     monkeypatch.setenv("TORCHRUN_TEST_LAUNCHER", "zygote")
     env = _child_env(None, None)
@@ -97,13 +98,13 @@ def test_launch_slots_bound_the_launches_of_every_worker(tmp_path, monkeypatch):
     import threading
     import time
 
-    from torchrun_utils import LAUNCH_SLOTS_ENV, launch_slot
+    from tests.support.torchrun_utils import LAUNCH_SLOTS_ENV, launch_slot
 
     monkeypatch.setenv(LAUNCH_SLOTS_ENV, "2")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     holder = subprocess.Popen(  # another pytest worker holding one slot
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); from torchrun_utils import launch_slot\n"
-         "with launch_slot():\n    print('held', flush=True); time.sleep(3)", str(Path(__file__).parent)],
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); from tests.support.torchrun_utils import launch_slot\n"
+         "with launch_slot():\n    print('held', flush=True); time.sleep(3)", str(REPO_ROOT)],
         env={**os.environ, LAUNCH_SLOTS_ENV: "2", "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"

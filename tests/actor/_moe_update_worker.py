@@ -1,7 +1,7 @@
-"""Worker for test_moe_update.py (run through tests/torchrun_utils.py, not collected by pytest).
+"""Worker for test_moe_update.py (run through tests/support/torchrun_utils.py, not collected by pytest).
 
-The actor's update on the tiny Qwen3-MoE (4 experts, top-2, 2 layers; tests/tiny_models.py) with the
-batch of the dense actor tests (`_actor_worker.global_batch`: every loss term on) and the router's
+The actor's update on the tiny Qwen3-MoE (4 experts, top-2, 2 layers; tests/support/tiny_models.py) with the
+batch of the dense actor tests (`actor_steps.global_batch`: every loss term on) and the router's
 load-balancing loss and z-loss on.
 
 * `run_aux_reference` (1 process): the auxiliary losses alone (advantages 0, no entropy or KL term,
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from actor._actor_worker import DP_SHARES, export_grads, export_weights, global_batch, make_config
-from torchrun_utils import reporting
+from tests.support.actor_steps import DP_SHARES, export_grads, export_weights, global_batch, make_config
+from tests.support.torchrun_utils import reporting
 
 AUX_COEFF = 0.01
 Z_COEFF = 0.001
@@ -39,7 +39,7 @@ def moe_config(aux_only: bool = False, **sections):
 
 
 def _build(model_dir: str, layout, cfg, sequence_parallel: bool = False):
-    """`_actor_worker.build_actor_for` with the config's MoE settings in the model."""
+    """`actor_steps.build_actor_for` with the config's MoE settings in the model."""
     from megatron_dapo.actor import build_actor
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
@@ -80,7 +80,7 @@ def _megatron_reference_grads(model_dir: str, layout, batch) -> dict[str, torch.
 
 
 def run_aux_reference(model_dir: str, out_dir: str) -> None:
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed
 
@@ -104,7 +104,7 @@ def run_aux_reference(model_dir: str, out_dir: str) -> None:
 def run_layouts(model_dir: str, out_dir: str, layouts: list) -> None:
     """For each layout {name, tp, ep, sp, dispatcher, dist_opt}: one update of this rank's DP share."""
 
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
 

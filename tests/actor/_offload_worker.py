@@ -1,4 +1,4 @@
-"""Worker for tests/actor/test_offload.py (run through tests/torchrun_utils.py, not collected by pytest).
+"""Worker for tests/actor/test_offload.py (run through tests/support/torchrun_utils.py, not collected by pytest).
 
 `run_round_trips` (2 processes, gloo, real Megatron-Core): for each case {tp, dist_opt, dtype} two
 identical actors A and B are built from the same tiny HF model. Both run the same updates; A's
@@ -93,7 +93,7 @@ def _case(model_dir: str, spec: dict, batch) -> dict:
 
     from megatron_dapo.actor.offload import KINDS, ActorOffload
     from megatron_dapo.distributed import ParallelLayout, init_distributed
-    from tests.actor._actor_worker import make_config
+    from tests.support.actor_steps import make_config
 
     ctx = init_distributed(ParallelLayout(tp=spec["tp"]), timeout_s=240, seed=3)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -172,11 +172,11 @@ def _case(model_dir: str, spec: dict, batch) -> dict:
 
 
 def run_round_trips(model_dir: str, cases: list) -> None:
-    from tiny_models import load_hf_model
-    from torchrun_utils import reporting
+    from tests.support.tiny_models import load_hf_model
+    from tests.support.torchrun_utils import reporting
 
     from megatron_dapo.distributed import teardown
-    from tests.actor._actor_worker import global_batch
+    from tests.support.actor_steps import global_batch
 
     with reporting({"cases": {}}) as out:
         batch = global_batch(load_hf_model(Path(model_dir)))

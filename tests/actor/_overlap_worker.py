@@ -2,7 +2,7 @@
 ``overlap_grad_reduce`` forced on (the GPU default) against off (the CPU default), same data.
 
 For each optimizer kind (plain, distributed): build the actor twice from the same HF weights, run
-`_actor_worker.run_steps` (log-probs, one step by hand with the gradients exported, one `update`) on
+`actor_steps.run_steps` (log-probs, one step by hand with the gradients exported, one `update`) on
 this rank's uneven share of the batch with a token budget that gives several micro-batches, and
 save gradients and weights on rank 0.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from torchrun_utils import reporting
-from actor._actor_worker import DP_SHARES, LAYOUT_BUDGET, global_batch, make_config, run_steps
+from tests.support.actor_steps import DP_SHARES, LAYOUT_BUDGET, global_batch, make_config, run_steps
+from tests.support.torchrun_utils import reporting
 
 
 def run(model_dir: str, out_dir: str) -> None:
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.actor import build_actor
     from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown

@@ -1,4 +1,4 @@
-"""Worker for test_router_replay.py (run through tests/torchrun_utils.py, not collected by pytest).
+"""Worker for test_router_replay.py (run through tests/support/torchrun_utils.py, not collected by pytest).
 
 On the tiny Qwen3-MoE / Qwen2-MoE (4 experts, top-2, 2 layers) and the 7-sequence batch of the actor
 tests, per layout (each rank its data-parallel share):
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from actor._actor_worker import DP_SHARES, LAYOUT_BUDGET, export_grads, global_batch, make_config
-from torchrun_utils import reporting
+from tests.support.actor_steps import DP_SHARES, LAYOUT_BUDGET, export_grads, global_batch, make_config
+from tests.support.torchrun_utils import reporting
 
 SEED = 11
 
@@ -109,7 +109,7 @@ def _sets_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def run_layouts(model_dirs: dict, out_dir: str, layouts: list) -> None:
     """For each layout {name, tp, sp, cp, pp, ep, recompute_check} and architecture: replay, record,
     and (recompute_check) gradients with and without recompute, on this rank's data-parallel share."""
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_actor_worker.py"
 LAYOUTS = [

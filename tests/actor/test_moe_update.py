@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import save_tiny_model
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import save_tiny_model
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_moe_update_worker.py"
 GRAD_TOL = 1e-6

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_dapo.actor.offload import KINDS, ActorOffload, _chunk_sizes, grad_storages, optimizer_tensors
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_offload_worker.py"
 CASES = [

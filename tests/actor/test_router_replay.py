@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import MOE_ARCHS, save_tiny_model
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import MOE_ARCHS, save_tiny_model
+from tests.support.torchrun_utils import run_torchrun_function
 
 pytestmark = pytest.mark.launch
 

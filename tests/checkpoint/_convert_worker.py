@@ -1,4 +1,4 @@
-"""Workers for the conversion tests (run through tests/torchrun_utils.py, not by pytest).
+"""Workers for the conversion tests (run through tests/support/torchrun_utils.py, not by pytest).
 
 `convert_all` runs in one plain Python process (conversion is single-process by design and
 initialises Megatron's parallel state in the process that calls it, which the pytest process must
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from torchrun_utils import reporting
+from tests.support.torchrun_utils import reporting
 
 
 def convert_all(hf_dirs: dict, out_root: str, shard_sizes: dict, tampered: dict) -> dict:
@@ -60,7 +60,7 @@ def load_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, megatron_save_
     In the first layout, also save the HF-loaded model with Megatron's own sharded state dict and
     report both checkpoints' key -> (global shape, dtype) maps (rank 0) for comparison.
     """
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.checkpoint.core import load_checkpoint, model_sharded_state_dict
     from megatron_dapo.checkpoint.layout import DIST_DIR

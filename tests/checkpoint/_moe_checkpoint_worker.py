@@ -1,4 +1,4 @@
-"""Workers for the mixture-of-experts checkpoint tests (run through tests/torchrun_utils.py, not by pytest).
+"""Workers for the mixture-of-experts checkpoint tests (run through tests/support/torchrun_utils.py, not by pytest).
 
 `convert_moe` and `export_checkpoints` run in one plain Python process each (conversion is
 single-process): HF -> Megatron (recorded for TP=2 x EP=2, checked with the logits check) -> HF,
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from torchrun_utils import reporting, write_rank_result
+from tests.support.torchrun_utils import reporting, write_rank_result
 
 
 def convert_moe(hf_dirs: dict, out_root: str) -> None:
@@ -53,7 +53,7 @@ def export_checkpoints(checkpoints: dict, export_root: str) -> None:
 def expert_parallel_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, save_root: str) -> None:
     """Per layout {name, tp, pp, ep, dispatcher} and architecture: load the converted checkpoint
     (max |logits - HF logits|) and save the HF-loaded model as a training checkpoint."""
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.checkpoint.core import load_checkpoint, save_checkpoint
     from megatron_dapo.distributed.layout import ParallelLayout

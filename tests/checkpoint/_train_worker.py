@@ -1,4 +1,4 @@
-"""Worker for the checkpoint resume tests (run through tests/torchrun_utils.py, not by pytest).
+"""Worker for the checkpoint resume tests (run through tests/support/torchrun_utils.py, not by pytest).
 
 A deliberately small training loop on real Megatron parts: GPTModel chunks wrapped in Megatron DDP,
 `get_megatron_optimizer` (Adam; the distributed optimizer unless told otherwise), Megatron's
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from torchrun_utils import reporting
+from tests.support.torchrun_utils import reporting
 
 GLOBAL_BATCH = 4
 SEQ_LEN = 16
@@ -204,7 +204,7 @@ def resume_then_crash(model_dir: str, root: str, dp4_root: str) -> None:
     checkpoint in `dp4_root` (a DP-only change), two steps; then die half-way through saving step 3."""
     from megatron_dapo.checkpoint import core
     from megatron_dapo.checkpoint.core import load_checkpoint, save_checkpoint
-    from torchrun_utils import write_rank_result
+    from tests.support.torchrun_utils import write_rank_result
 
     ctx, models, optimizer, scheduler = setup(model_dir, {"tp": 1, "pp": 1})
     loaded = load_checkpoint(root, models, optimizer, scheduler)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_train_worker.py"
 TOL = 1e-6

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.checkpoint import find_latest, is_complete_checkpoint, list_checkpoints, resolve_checkpoint_dir
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_train_worker.py"
 SAME_LAYOUT_TOL = 1e-6

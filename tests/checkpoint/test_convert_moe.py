@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import MOE_ARCHS, save_tiny_model
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import MOE_ARCHS, save_tiny_model
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_moe_checkpoint_worker.py"
 TOL = 1e-5

@@ -24,8 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tiny_models import ARCHS
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import ARCHS
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_convert_worker.py"
 TOL = 1e-5
@@ -149,7 +149,7 @@ def test_dtype_option_casts_the_weights(hf_models, converted):
 
 
 def test_transformers_loads_the_sharded_export(hf_models, converted):
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     out_root, _ = converted
     original = load_hf_model(hf_models["qwen3"]).state_dict()

@@ -46,12 +46,6 @@ def test_no_command_prints_the_list_and_exits_2(capsys):
     assert all(command in out for command in SUBCOMMANDS)
 
 
-@pytest.fixture
-def one_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _bad_input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     not_a_model = tmp / "not_a_model"
     not_a_model.mkdir(exist_ok=True)

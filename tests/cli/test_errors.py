@@ -13,16 +13,6 @@ import pytest
 from megatron_dapo.cli.main import rank_suffix, run_command
 from megatron_dapo.errors import EXIT_FAILURE, EXIT_USAGE, InputError, StopError, describe, exit_code
 
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
-
-
-@pytest.fixture
-def one_process(monkeypatch):
-    for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
 def _raising(error: BaseException):
     def run(args: argparse.Namespace) -> int:
         raise error

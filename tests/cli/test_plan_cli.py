@@ -10,8 +10,8 @@ import pytest
 from megatron_dapo import plan as mp
 from megatron_dapo.cli.main import main
 from megatron_dapo.model.hf_config import read_hf_config
-from tests.plan.conftest import known
-from tests.plan.references import PUBLISHED_PARAMETERS
+from tests.support.plan_references import PUBLISHED_PARAMETERS
+from tests.support.plans import known
 
 
 def test_cli_json_and_table(capsys):
@@ -52,7 +52,7 @@ def test_cli_errors_and_exit_codes(capsys, tmp_path):
 
 
 def test_model_shape_from_hf_dir(tmp_path, capsys):
-    from tiny_models import tiny_config
+    from tests.support.tiny_models import tiny_config
 
     model_dir = tmp_path / "tiny-qwen3"
     model_dir.mkdir()

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_dapo.data.dataset import DatasetError, PromptDataset
 from megatron_dapo.data.prepare import DAPO_INSTRUCTION_PREFIX, DAPO_INSTRUCTION_SUFFIX, read_records
-from tests.data.test_prepare import QUESTIONS  # the library tests' questions, here through the command
+from tests.support.questions import QUESTIONS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("prepare_data_script", REPO_ROOT / "tools" / "prepare_data.py")

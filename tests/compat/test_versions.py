@@ -435,7 +435,7 @@ def test_every_transformer_config_field_the_builder_sets_is_probed(tmp_path):
     from megatron_dapo.distributed.layout import ParallelLayout
     from megatron_dapo.model import builder
     from megatron_dapo.model.hf_config import read_hf_config
-    from tiny_models import save_tiny_model
+    from tests.support.tiny_models import save_tiny_model
 
     seen: set[str] = set()
     real = builder.TransformerConfig

@@ -21,14 +21,7 @@ from megatron_dapo.data.prepare import (
     read_records,
     write_records,
 )
-
-QUESTIONS = [
-    {"question": "What is the smallest prime?", "answer": "2"},
-    {"question": "How many sides has a hexagon?", "answer": 6, "source": "ignored"},
-    {"question": "Compute 3^3.", "answer": "27"},
-    {"question": "What is 10 / 4?", "answer": "\\frac{5}{2}"},
-    {"question": "What is 9 - 10?", "answer": "-1"},
-]
+from tests.support.questions import QUESTIONS
 
 
 def test_make_record_is_the_dapo_schema():

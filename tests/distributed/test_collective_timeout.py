@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).with_name("_hang_worker.py")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 
 def test_cp2_attention_and_gathers_equal_single_process():

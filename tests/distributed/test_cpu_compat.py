@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_compat_worker.py"
 

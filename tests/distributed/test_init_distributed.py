@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_slurm_function
+from tests.support.torchrun_utils import run_slurm_function
 
 WORKER = Path(__file__).parent / "_setup_worker.py"
 

@@ -386,7 +386,7 @@ def test_command_on_this_machine(capsys, tmp_path, tiny_model_dirs):
 
 
 def _run_under_torchrun(tmp_path, args, env=None):
-    from torchrun_utils import run_torchrun_script
+    from tests.support.torchrun_utils import run_torchrun_script
 
     script = tmp_path / "doctor_entry.py"
     script.write_text("import sys\nfrom megatron_dapo.cli.main import main\nsys.exit(main())\n")
@@ -411,7 +411,7 @@ def test_a_bad_interface_fails_every_rank(tmp_path):
     import subprocess
     import sys
 
-    from torchrun_utils import _child_env, free_port
+    from tests.support.torchrun_utils import _child_env, free_port
 
     env = _child_env(None, {"GLOO_SOCKET_IFNAME": "nosuchif0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
                             "SLURM_JOB_ID": "4243", "MASTER_PORT": str(free_port())})  # fmt: skip

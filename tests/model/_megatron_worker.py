@@ -1,4 +1,4 @@
-"""Worker for the multi-process model tests (run through tests/torchrun_utils.py, not by pytest).
+"""Worker for the multi-process model tests (run through tests/support/torchrun_utils.py, not by pytest).
 
 `run_layouts` builds every tiny architecture under each requested parallel layout in ONE launch
 (start-up of torch + Megatron + transformers dominates on a 2-core machine), loads the HF weights,
@@ -47,7 +47,7 @@ def _check_export(models, cfg, model_dir: str, hf_model) -> dict:
 
 
 def _run_arch(arch: str, model_dir: str, layout, input_ids, hf_cache: dict) -> dict:
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.model.builder import build_gpt_models, check_against_hf
     from megatron_dapo.model.debug import megatron_logits
@@ -143,7 +143,7 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
                 )
             out["layouts"][spec["name"]] = entry
     finally:
-        from torchrun_utils import write_rank_result
+        from tests.support.torchrun_utils import write_rank_result
 
         write_rank_result(out)
         teardown()

@@ -1,4 +1,4 @@
-"""Worker for the mixture-of-experts model tests (run through tests/torchrun_utils.py, not by pytest).
+"""Worker for the mixture-of-experts model tests (run through tests/support/torchrun_utils.py, not by pytest).
 
 `run_layouts` builds every tiny MoE architecture under each requested layout {name, tp, pp, ep,
 dispatcher} in ONE launch, loads the HF weights, compares Megatron's logits with HF transformers'
@@ -79,7 +79,7 @@ def _run_arch(model_dir: str, layout, dispatcher: str, input_ids, reference: dic
 
 def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 22) -> None:
     """For each layout {name, tp, pp, ep, dispatcher}: every architecture in `model_dirs`; writes this rank's results."""
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     from megatron_dapo.distributed import init_distributed, teardown
     from megatron_dapo.distributed.layout import ParallelLayout
@@ -123,7 +123,7 @@ def run_layouts(model_dirs: dict, layouts: list, batch: int = 4, seq_len: int = 
                     raise
             out["layouts"][spec["name"]] = entry
     finally:
-        from torchrun_utils import write_rank_result
+        from tests.support.torchrun_utils import write_rank_result
 
         write_rank_result(out)
         teardown()

@@ -1,5 +1,5 @@
-"""Worker for test_sliced_load.py (4 processes, TP=2 x PP=2, real Megatron-Core over gloo), and the
-byte-counting reader both use.
+"""Worker for test_sliced_load.py (4 processes, TP=2 x PP=2, real Megatron-Core over gloo). The
+byte-counting reader both use: tests/support/counting_reader.py.
 
 `run` builds every tiny architecture's model chunks on each rank, loads them twice (the sliced reads
 of `load_hf_into_megatron` and its whole-tensor reference, `sliced=False`), each through a
@@ -8,51 +8,9 @@ of `load_hf_into_megatron` and its whole-tensor reference, `sliced=False`), each
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
-from megatron_dapo.model.hf_weights import HFWeightReader
-
-
-class _CountingSlice:
-    def __init__(self, inner, on_read):
-        self._inner, self._on_read = inner, on_read
-
-    def get_shape(self):
-        return self._inner.get_shape()
-
-    def __getitem__(self, index):
-        tensor = self._inner[index]
-        self._on_read(tensor)
-        return tensor
-
-
-class CountingReader(HFWeightReader):
-    """An `HFWeightReader` that counts the bytes of every tensor it hands out, per HF name: `whole`
-    (``get``) and `part` (``get_slice(...)[index]``). The reads themselves are the real ones."""
-
-    def __init__(self, hf_dir) -> None:
-        super().__init__(hf_dir)
-        self.whole: dict[str, int] = defaultdict(int)
-        self.part: dict[str, int] = defaultdict(int)
-        self.part_shapes: dict[str, list] = defaultdict(list)
-
-    def get(self, name: str) -> torch.Tensor:
-        tensor = super().get(name)
-        self.whole[name] += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def get_slice(self, name: str):
-        def on_read(tensor: torch.Tensor) -> None:
-            self.part[name] += tensor.numel() * tensor.element_size()
-            self.part_shapes[name].append(list(tensor.shape))
-
-        return _CountingSlice(super().get_slice(name), on_read)
-
-    @property
-    def total(self) -> int:
-        return sum(self.whole.values()) + sum(self.part.values())
+from tests.support.counting_reader import CountingReader
 
 
 def run(model_dirs: dict) -> dict:

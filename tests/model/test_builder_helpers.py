@@ -8,7 +8,7 @@ import torch
 
 from megatron_dapo.model import builder
 from megatron_dapo.model.hf_config import read_hf_config
-from tiny_models import tiny_config
+from tests.support.tiny_models import tiny_config
 
 
 def _hf_inv_freq(hf_cfg) -> torch.Tensor:
@@ -55,7 +55,7 @@ def test_causal_attention_mask():
 
 
 def _moe_cfg(arch: str):
-    from tiny_models import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     return read_hf_config(tiny_moe_config(arch).to_dict())
 

@@ -173,7 +173,7 @@ _START = textwrap.dedent(
     from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
     from megatron_dapo.model.builder import build_gpt_models
     from megatron_dapo.model.hf_config import read_hf_config
-    from tiny_models import tiny_config
+    from tests.support.tiny_models import tiny_config
 
     layout = ParallelLayout(1, 1)
     init_distributed(layout, timeout_s=120, seed=0)
@@ -188,9 +188,9 @@ _START = textwrap.dedent(
 
 
 def _start(mode: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "MASTER_PORT": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": "0"}
     env.pop("PYTHONWARNINGS", None)
-    from torchrun_utils import free_port
+    from tests.support.torchrun_utils import free_port
 
     env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(free_port())
     proc = subprocess.run([sys.executable, "-c", _START, mode], capture_output=True, text=True, timeout=240, env=env, cwd=REPO)

@@ -179,7 +179,7 @@ def test_moe_config_variants():
 
 
 def test_tiny_moe_test_models_parse():
-    from tiny_models import MOE_ARCHS, tiny_moe_config
+    from tests.support.tiny_models import MOE_ARCHS, tiny_moe_config
 
     cfgs = {arch: read_hf_config(tiny_moe_config(arch).to_dict()) for arch in MOE_ARCHS}
     assert cfgs["qwen3_moe"].num_experts == cfgs["qwen2_moe"].num_experts == 4

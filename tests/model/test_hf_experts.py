@@ -4,7 +4,7 @@ checked on the real Qwen3-MoE module of transformers: its forward uses exactly t
 import torch
 
 from megatron_dapo.model.hf_experts import expert_slot, is_fused_experts, slots_per_fused, unfused_experts
-from tiny_models import build_tiny_model
+from tests.support.tiny_models import build_tiny_model
 
 
 def test_names_map_to_the_slices_transformers_computes_with():

@@ -194,7 +194,7 @@ def test_layer_placement_interleaved_example():
 
 
 def _tiny_moe_table(arch: str = "qwen3_moe"):
-    from tiny_models import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     cfg = read_hf_config(tiny_moe_config(arch).to_dict())
     return cfg, mapping_for(cfg)
@@ -294,7 +294,7 @@ def test_expert_rows_round_trip_over_expert_tp(tp):
 
 
 def test_moe_tables_cover_exactly_the_saved_checkpoints(tmp_path):
-    from tiny_models import MOE_ARCHS, save_tiny_model
+    from tests.support.tiny_models import MOE_ARCHS, save_tiny_model
 
     for arch in MOE_ARCHS:
         path = save_tiny_model(arch, tmp_path / arch)

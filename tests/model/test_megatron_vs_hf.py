@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.distributed.layout import ParallelLayout
-from tiny_models import ARCHS
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import ARCHS
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_megatron_worker.py"
 TOL = 1e-5

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import MOE_ARCHS, save_tiny_model
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import MOE_ARCHS, save_tiny_model
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_moe_worker.py"
 TOL = 1e-5

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 MODULE_TOL = 1e-6
 MODEL_TOL = 1e-5
@@ -248,7 +248,7 @@ def test_layer_spec_swaps_only_core_attention():
     from megatron_dapo.model import builder
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.sdpa_attention import SDPADotProductAttention, with_sdpa_core_attention
-    from tiny_models import tiny_config
+    from tests.support.tiny_models import tiny_config
 
     cfg = read_hf_config(tiny_config("qwen3").to_dict())
     local = builder._layer_spec(cfg, False, "megatron")
@@ -327,7 +327,7 @@ def _model_comparison(arch: str, model_dir: str, layout, input_ids: torch.Tensor
     from megatron_dapo.model.debug import megatron_logits
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import load_hf_into_megatron
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     cfg = read_hf_config(model_dir)
     with torch.no_grad():

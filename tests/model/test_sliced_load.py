@@ -19,9 +19,9 @@ from megatron_dapo.model.arch_tables import mapping_for
 from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.load import rank_slices, read_rank_shard
 from megatron_dapo.model.mapping import ModelShape, padded_vocab_size
-from model._sliced_load_worker import CountingReader
-from tiny_models import ARCHS
-from torchrun_utils import run_torchrun_function
+from tests.support.counting_reader import CountingReader
+from tests.support.tiny_models import ARCHS
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_sliced_load_worker.py"
 

@@ -9,8 +9,8 @@ import pytest
 from megatron_dapo import plan as mp
 from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.mapping import padded_vocab_size
-from tests.plan.conftest import known
-from tests.plan.references import (
+from tests.support.plans import known
+from tests.support.plan_references import (
     megatron_activation_bytes,
     megatron_args,
     megatron_layer_activation_bytes_without_sp,
@@ -129,7 +129,7 @@ def test_moe_layer_activations_by_hand_qwen3_30b_a3b_tp2():
 
 
 def test_moe_shared_expert_activations():
-    from tiny_models import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     qwen2_moe = read_hf_config(tiny_moe_config("qwen2_moe").to_dict())  # 4 experts of 32, top-2, shared 48, h 64
     assert mp.moe_activation_bytes_per_token(qwen2_moe, 1, False) == 6 * 4 + 2 * (2 * 64 + 4 + 6 * 32) + 6 * 48

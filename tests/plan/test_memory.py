@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo import plan as mp
-from tests.plan.conftest import known, plan_for
-from tests.plan.references import megatron_args, megatron_weight_and_optimizer_bytes, qk_norm_per_layer, qkv_bias_per_layer
+from tests.support.plan_references import megatron_args, megatron_weight_and_optimizer_bytes, qk_norm_per_layer, qkv_bias_per_layer
+from tests.support.plans import known, plan_for
 
 
 def test_kv_cache_per_token():

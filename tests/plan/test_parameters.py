@@ -13,8 +13,8 @@ from megatron_dapo import plan as mp
 from megatron_dapo.config import ConfigError
 from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.mapping import padded_vocab_size
-from tests.plan.conftest import known
-from tests.plan.references import (
+from tests.support.plans import known
+from tests.support.plan_references import (
     PUBLISHED_MOE_BILLIONS,
     PUBLISHED_PARAMETERS,
     megatron_args,
@@ -66,7 +66,7 @@ def test_parameter_count_matches_megatron_formula(name):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_tied", "llama3", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_parameter_count_matches_transformers_model(arch):
-    from tiny_models import build_tiny_model, tiny_config
+    from tests.support.tiny_models import build_tiny_model, tiny_config
 
     hf_model = build_tiny_model(arch)
     numel = sum(p.numel() for p in hf_model.parameters())  # tied weights are one parameter
@@ -97,7 +97,7 @@ def test_stage_parameters_single_stage_tied_and_untied():
 
 def test_moe_layer_parts():
     """Router and shared-expert gate on every rank, the shared expert split like an MLP, the experts apart."""
-    from tiny_models import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     qwen2_moe = read_hf_config(tiny_moe_config("qwen2_moe").to_dict())  # h 64, 4 experts of 32, shared 48
     layer = mp.layer_parameters(qwen2_moe)

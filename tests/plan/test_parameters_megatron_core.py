@@ -26,10 +26,10 @@ def _megatron_rank_parameters(layouts: list) -> dict:
     for every tiny architecture the layout lists."""
     import torch
 
-    from megatron_dapo.distributed.layout import ParallelLayout
     from megatron_dapo.distributed import init_distributed, teardown
+    from megatron_dapo.distributed.layout import ParallelLayout
     from megatron_dapo.model.builder import build_gpt_models
-    from tiny_models import ARCHS, MOE_ARCHS, tiny_config
+    from tests.support.tiny_models import ARCHS, MOE_ARCHS, tiny_config
 
     rows = []
     for index, spec in enumerate(layouts):
@@ -65,8 +65,8 @@ def _megatron_rank_parameters(layouts: list) -> dict:
 
 @pytest.mark.timeout(300)
 def test_stage_parameters_match_megatron_models():
-    from tiny_models import ARCHS, MOE_ARCHS, tiny_config
-    from torchrun_utils import run_torchrun_function
+    from tests.support.tiny_models import ARCHS, MOE_ARCHS, tiny_config
+    from tests.support.torchrun_utils import run_torchrun_function
 
     result = run_torchrun_function(Path(__file__), "_megatron_rank_parameters", nproc=4, kwargs={"layouts": LAYOUTS}, timeout=280)
     result.check()

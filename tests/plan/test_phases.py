@@ -7,7 +7,7 @@ import pytest
 
 from megatron_dapo import plan as mp
 from megatron_dapo.config import ConfigError
-from tests.plan.conftest import OFFLOAD_ALL, known, plan_for
+from tests.support.plans import OFFLOAD_ALL, known, plan_for
 
 
 def test_largest_budget_is_the_boundary():

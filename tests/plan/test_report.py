@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_dapo import plan as mp
-from tests.plan.conftest import OFFLOAD_ALL, plan_for
+from tests.support.plans import OFFLOAD_ALL, plan_for
 
 BATCH_OF_3 = ["trainer.train_batch_size=3", "trainer.gen_batch_size=3", "trainer.ppo_mini_batch_size=3"]  # splits over 3 ranks
 
@@ -48,7 +48,7 @@ def test_cli_plans_a_mixture_of_experts_from_its_config_json(tmp_path, capsys):
     import json
 
     from megatron_dapo.cli.main import main
-    from tiny_models import tiny_moe_config
+    from tests.support.tiny_models import tiny_moe_config
 
     config = tiny_moe_config("qwen2_moe").to_dict()
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_dapo import plan as mp
 from megatron_dapo.config import ConfigError, load_config
-from tests.plan.conftest import known, plan_for
+from tests.support.plans import known, plan_for
 
 
 def test_gpu_capacity_is_what_torch_reports_not_the_marketing_size():

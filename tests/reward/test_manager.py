@@ -15,8 +15,8 @@ from megatron_dapo.reward.loader import load_reward_function
 from megatron_dapo.reward.manager import RewardManager
 from megatron_dapo.reward.math_dapo import compute_score
 
-from . import _fixtures as fx
-from ._fixtures import char_batch
+from tests.support import reward_functions as fx
+from tests.support.reward_functions import char_batch
 
 MAX_LEN, BUFFER, FACTOR = 60, 20, 1.0
 OVERLONG = dict(
@@ -249,7 +249,7 @@ def test_loaded_file_function_given_as_callable_runs_in_workers(tmp_path):
 
 def test_module_function_spec_runs_in_workers():
     texts = ["The answer is 5", "The answer is 6"]
-    with RewardManager(fx.CharTokenizer(), "reward._fixtures:answer_is_ground_truth", num_workers=2) as manager:
+    with RewardManager(fx.CharTokenizer(), "tests.support.reward_functions:answer_is_ground_truth", num_workers=2) as manager:
         assert manager.score(char_batch(texts)[0], ["5", "5"]).scores.tolist() == [1.0, 0.0]
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from megatron_dapo.reward.manager import RewardManager
 
-from . import _fixtures as fx
-from ._fixtures import char_batch
+from tests.support import reward_functions as fx
+from tests.support.reward_functions import char_batch
 
 
 @pytest.mark.timeout(120)
@@ -83,9 +83,9 @@ def test_pool_is_reused_across_calls_and_closed():
 
 _SIGTERM_SCRIPT = """
 import multiprocessing.forkserver, os, signal, sys, time
-sys.path.insert(0, {tests!r})
-from reward import _fixtures as fx
+sys.path.insert(0, {repo!r})
 from megatron_dapo.reward.manager import RewardManager
+from tests.support import reward_functions as fx
 
 def batch(texts):
     tok = fx.CharTokenizer()
@@ -119,11 +119,11 @@ def test_reward_workers_leave_slurms_sigterm_to_the_trainer(tmp_path, method):
     import sys
     from pathlib import Path
 
-    tests = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     script = tmp_path / "sigterm_pool.py"
     # A fresh interpreter: the forkserver (a per-process singleton) starts with this pool's preload,
     # in a session of its own so that the whole process group can be signalled like SLURM does.
-    script.write_text(_SIGTERM_SCRIPT.format(tests=tests, method=method, whole_group=True))
+    script.write_text(_SIGTERM_SCRIPT.format(repo=repo, method=method, whole_group=True))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, start_new_session=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "trainer got SIGTERM" in run.stdout

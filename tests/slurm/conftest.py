@@ -2,22 +2,21 @@
 
 The `slurm` marker is registered here (select or deselect with `-m slurm` / `-m "not slurm"`).
 If SLURM is missing and cannot be installed (not root, no package registry), the tests fail when
-CI is set (`tests/ci.py`: the sbatch path must always be tested there) and are skipped otherwise.
+CI is set (`tests/support/ci.py`: the sbatch path must always be tested there) and are skipped
+otherwise. The cluster itself: tests/support/slurm_cluster.py.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ci import skip_or_fail  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
-from cluster import SlurmCluster, SlurmUnavailable, ensure_installed  # noqa: E402
+from tests.support.ci import skip_or_fail
+from tests.support.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
 
 
 def pytest_configure(config):

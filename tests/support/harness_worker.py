@@ -4,7 +4,7 @@ import time
 
 
 def hang_after_result() -> None:
-    from torchrun_utils import write_rank_result
+    from tests.support.torchrun_utils import write_rank_result
 
     write_rank_result({"wrote": True})
     time.sleep(3600)  # as a rank stuck at exit would
@@ -31,7 +31,7 @@ def environment() -> dict:
     return {"env": {k: os.environ.get(k) for k in keys}, "threads": torch.get_num_threads()}
 
 
-if __name__ == "__main__":  # `python -m _harness_worker CODE`: both streams, then exit with CODE
+if __name__ == "__main__":  # `python -m tests.support.harness_worker CODE`: both streams, then exit with CODE
     import os
     import sys
 

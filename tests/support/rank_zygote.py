@@ -209,8 +209,8 @@ class Zygote:
         self.log_path = Path(tempfile.mkstemp(prefix="rank-zygote-", suffix=".log")[1])
         self._log = open(self.log_path, "w")
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-             "import rank_zygote; rank_zygote.serve()"],
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+             "from tests.support import rank_zygote; rank_zygote.serve()"],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
         )  # fmt: skip
         hello = json.loads(self._proc.stdout.readline() or '{"refused": "the zygote exited while importing"}')

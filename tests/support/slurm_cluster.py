@@ -306,7 +306,7 @@ class SlurmCluster:
         overrides = "SlurmdParameters=config_overrides\n" if hardware.startswith(f"CPUs={self.min_cpus} ") else ""
         r = self.root
         self.conf.write_text(
-            f"""# Throw-away single-node test cluster (tests/slurm/cluster.py).
+            f"""# Throw-away single-node test cluster (tests/support/slurm_cluster.py).
 ClusterName=mdapotest
 SlurmctldHost=localhost
 SlurmUser=root

@@ -16,9 +16,11 @@ views made later, anywhere, keep the storage alive) says when it is freed, so th
 exact at every operation and the peak is taken where allocations happen. Tensors whose memory is
 not torch's (a memory-mapped file: `torch.frombuffer`) are not allocations and are not counted.
 
-Used by the weight-push memory test and benchmark: on a CPU machine the "device" is host memory, so
-the weight path is measured by what it allocates between the actor's export and the engine's
-loader (both paused), whatever the device: a model-sized total there means a full copy per sync.
+Used by the weight-push memory test (tests/rollout/sync/test_push_memory.py and its worker) and
+benchmark (benchmarks/bench_push_memory.py) only, hence here and not in the package: on a CPU
+machine the "device" is host memory, so the weight path is measured by what it allocates between
+the actor's export and the engine's loader (both paused), whatever the device: a model-sized total
+there means a full copy per sync.
 """
 
 from __future__ import annotations

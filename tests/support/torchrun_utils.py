@@ -22,8 +22,9 @@ Conventions:
 - Results come back through files: inside a worker call `write_rank_result(obj)` (JSON-serialisable)
   and read them in the test from `result.rank_results` (a list indexed by rank; None where a rank
   wrote nothing). If the function returns a value that is not None, it is written the same way.
-- The child processes get the repository root and `tests/` on PYTHONPATH, OMP_NUM_THREADS=1 (many
-  ranks share few cores) and a wall-clock `timeout` after which the whole process group is killed.
+- The child processes get the repository root on PYTHONPATH (helpers import as
+  `from tests.support.<module> import ...`), OMP_NUM_THREADS=1 (many ranks share few cores) and a
+  wall-clock `timeout` after which the whole process group is killed.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import rank_zygote
+from tests.support import rank_zygote
 
 __all__ = [
     "RESULT_DIR_ENV",
@@ -61,8 +62,7 @@ __all__ = [
     "write_rank_result",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTS_DIR = REPO_ROOT / "tests"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_DIR_ENV = "TORCHRUN_TEST_RESULT_DIR"
 
 # ---- how many launches run at once on this machine ---------------------------------------------
@@ -181,7 +181,7 @@ class TorchrunResult:
 
 def _child_env(result_dir: Optional[Path], extra: Optional[dict[str, str]]) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(REPO_ROOT), str(TESTS_DIR)]
+    paths = [str(REPO_ROOT)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -300,7 +300,7 @@ with open({kwargs_file!r}) as f:
     kwargs = json.load(f)
 result = getattr(module, {function!r})(**kwargs)
 if result is not None:
-    from torchrun_utils import write_rank_result
+    from tests.support.torchrun_utils import write_rank_result
     write_rank_result(result)
 """
 
@@ -335,7 +335,7 @@ def run_torchrun_function(
 RUNTIME_ENV = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "PYTHONFAULTHANDLER", RESULT_DIR_ENV, _SLOT_HELD_ENV}
 """Variables a forked rank may have different from the zygote's environment: read after start-up
 (OMP_NUM_THREADS is applied with torch.set_num_threads) or harmless to differ (PYTHONPATH: the
-zygote's sys.path holds the repository and tests/ as well)."""
+zygote's sys.path holds the repository as well)."""
 
 
 def run_module_forked(
@@ -406,7 +406,7 @@ def _write_entry(tmp: Path, module_file, function: str, kwargs) -> tuple[Path, P
     entry.write_text(
         textwrap.dedent(
             _BOOTSTRAP.format(
-                paths=[str(REPO_ROOT), str(TESTS_DIR)],
+                paths=[str(REPO_ROOT)],
                 module_file=str(Path(module_file).resolve()),
                 kwargs_file=str(kwargs_file),
                 function=function,

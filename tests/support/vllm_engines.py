@@ -17,7 +17,7 @@ def usable_tp(tp: int, what: str) -> int:
     cpus = len(os.sched_getaffinity(0))
     if tp <= 1 or cpus >= tp:
         return tp
-    from ci import under_ci
+    from tests.support.ci import under_ci
 
     message = f"{what} runs vLLM with TP={tp} and needs {tp} CPUs; this process may use {cpus}"
     if under_ci():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from torchrun_utils import RESULT_DIR_ENV, write_rank_result
+from tests.support.torchrun_utils import RESULT_DIR_ENV, write_rank_result
 
 
 def _start_together(rank: int, world: int) -> None:
@@ -33,7 +33,7 @@ def late_engine(timeout_s: float, gather_timeout_s: float, delay_s: float, meet_
     from megatron_dapo.distributed.setup import gather_group
     from megatron_dapo.trainer.samples import gather_samples
 
-    from tests.trainer._gather_worker import as_plain, make_samples
+    from tests.support.samples import as_plain, make_samples
 
     enable_cpu_compat()
     import megatron.core.parallel_state  # noqa: F401 - the slow import, before the start line

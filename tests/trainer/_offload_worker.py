@@ -91,7 +91,7 @@ def _collapse(events: list) -> list:
 
 
 def run(config: str, overrides: list, offload_overrides: list, output_dir: str) -> None:
-    from torchrun_utils import reporting
+    from tests.support.torchrun_utils import reporting
 
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer.startup import load_models, start

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchrun_utils import reporting
+from tests.support.torchrun_utils import reporting
 
 LAYERS, TOPK = 3, 2
 READ = [5, 2, 7, 4, 3, 6]  # tokens read by the 6 generated samples (3 from rank 0, then 3 from rank 2)

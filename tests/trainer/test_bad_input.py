@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, REPO, run_cli, workspace_overrides
+from tests.support.trainer_runs import CONFIG, FAST, REPO, run_cli, workspace_overrides
 
 
 def _assert_one_clean_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_dapo.trainer.samples import Samples, pack_samples, unpack_samples
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
-from ._gather_worker import as_plain, make_samples
+from tests.support.samples import as_plain, make_samples
 
 WORKER = Path(__file__).parent / "_gather_worker.py"
 

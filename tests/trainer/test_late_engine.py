@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.distributed.setup import DEFAULT_GATHER_TIMEOUT_S, gather_group_options
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_late_engine_worker.py"
 TIMEOUT_S = 4.0  # trainer.collective_timeout_s of these runs

@@ -12,7 +12,7 @@ from megatron_dapo.algorithm.mismatch import MismatchStats
 from megatron_dapo.trainer import metrics
 from megatron_dapo.trainer.samples import Samples
 
-from ._gather_worker import make_samples
+from tests.support.samples import make_samples
 
 
 def test_batch_metrics_of_the_train_batch_and_of_everything_generated():

@@ -21,8 +21,8 @@ import pytest
 from safetensors.torch import load_file
 
 from megatron_dapo.checkpoint import step_dir_name
-from tests.trainer.conftest import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
-from torchrun_utils import two_at_a_time
+from tests.support.torchrun_utils import two_at_a_time
+from tests.support.trainer_runs import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
 
 STEPS = ["trainer.total_steps=2", "trainer.save_every=1", "moe.z_loss_coeff=0.001"]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, deterministic, workspace_overrides
-from torchrun_utils import run_torchrun_script
+from tests.support.torchrun_utils import run_torchrun_script
+from tests.support.trainer_runs import CONFIG, FAST, deterministic, workspace_overrides
 
 WORKER = Path(__file__).with_name("_offload_worker.py")
 OFFLOAD = ["actor.offload_params=true", "actor.offload_grads=true", "actor.offload_optimizer=true", "rollout.sleep_level=2"]

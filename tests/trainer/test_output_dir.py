@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.trainer.output_dir import OutputDirectoryError, check_output_dir, clear_previous_run
-from tests.trainer.conftest import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
-from torchrun_utils import two_at_a_time
+from tests.support.torchrun_utils import two_at_a_time
+from tests.support.trainer_runs import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
 
 
 # ------------------------------------------------------------------ the rules, without a run

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tests.trainer.conftest import CONFIG, FAST, assert_ok, cli, deterministic, read_metrics, workspace_overrides
+from tests.support.trainer_runs import CONFIG, FAST, assert_ok, cli, deterministic, read_metrics, workspace_overrides
 
 REWARD = Path(__file__).with_name("preempt_reward.py")
 GEN_BATCH, N = 8, 2

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, assert_ok, assert_weights_pushed_every_step, read_metrics, run_cli, workspace_overrides
+from tests.support.trainer_runs import CONFIG, FAST, assert_ok, assert_weights_pushed_every_step, read_metrics, run_cli, workspace_overrides
 
 pytestmark = pytest.mark.launch
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.trainer.routing_exchange import RoutingStore, plan_transfers
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 
 def test_plan_sends_each_sample_to_the_ranks_that_need_it_and_no_other():

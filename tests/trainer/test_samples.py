@@ -7,7 +7,7 @@ import torch
 
 from megatron_dapo.trainer.samples import build_policy_batch, filter_metric
 
-from ._gather_worker import make_samples
+from tests.support.samples import make_samples
 
 
 def test_filter_metric_names_the_field_it_compares():

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, stop_after_step, workspace_overrides
-from torchrun_utils import two_at_a_time
+from tests.support.torchrun_utils import two_at_a_time
+from tests.support.trainer_runs import CONFIG, FAST, REPO, cli, deterministic, read_metrics, run_cli, stop_after_step, workspace_overrides
 
 TOTAL = ["trainer.total_steps=5"]
 BAD_INPUT = {  # case: (overrides, the key the error must name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.conftest import CONFIG, FAST, run_cli, workspace_overrides
+from tests.support.trainer_runs import CONFIG, FAST, run_cli, workspace_overrides
 
 
 @pytest.mark.timeout(300)

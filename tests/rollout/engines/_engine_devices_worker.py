@@ -10,9 +10,9 @@ def main() -> dict:
     import torch.distributed as dist
 
     from megatron_dapo.distributed import ParallelLayout, init_distributed
-    from megatron_dapo.rollout.group import engine_devices
     from megatron_dapo.distributed.placement import PlacementError, RankGpu
-    from torchrun_utils import reporting
+    from megatron_dapo.rollout.group import engine_devices
+    from tests.support.torchrun_utils import reporting
 
     out: dict = {}
     with reporting(out):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from torchrun_utils import reporting
+from tests.support.torchrun_utils import reporting
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5, 6], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 SAMPLES_PER_PROMPT = 2

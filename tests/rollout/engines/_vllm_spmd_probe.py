@@ -61,7 +61,7 @@ def seed_job(model_dir: str) -> None:
 
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.rollout.engines.vllm.io import collect_outputs, vllm_sampling_kwargs
-    from torchrun_utils import reporting
+    from tests.support.torchrun_utils import reporting
 
     dist.init_process_group("gloo")
     out: dict = {}
@@ -110,7 +110,7 @@ def shm_job(model_dir: str, seed: int) -> None:
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
     from megatron_dapo.rollout.base import SamplingParams
-    from torchrun_utils import reporting
+    from tests.support.torchrun_utils import reporting
 
     dist.init_process_group("gloo")
     out: dict = {}

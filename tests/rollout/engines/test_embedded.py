@@ -17,7 +17,7 @@ from megatron_dapo.rollout.engines.embedded import (
     sample_next_tokens,
     sleep_moves_weights,
 )
-from tiny_models import build_tiny_model, load_hf_model, save_tiny_model
+from tests.support.tiny_models import build_tiny_model, load_hf_model, save_tiny_model
 
 # Lengths 1..12 in one batch: left padding, position ids and the cache all matter.
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9, 150, 11, 42], [66, 67, 68]]

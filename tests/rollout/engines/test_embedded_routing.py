@@ -10,7 +10,7 @@ import torch
 from megatron_dapo.model.hf_routing import RoutingRecorder, hf_moe_routers
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
-from tiny_models import MOE_ARCHS, load_hf_model, save_tiny_model
+from tests.support.tiny_models import MOE_ARCHS, load_hf_model, save_tiny_model
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9, 150, 11, 42], [66, 67, 68]]
 

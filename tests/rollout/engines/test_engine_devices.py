@@ -22,7 +22,7 @@ from megatron_dapo.distributed.placement import (
     assign_engine_devices,
     replica_groups,
 )
-from torchrun_utils import run_torchrun_function
+from tests.support.torchrun_utils import run_torchrun_function
 
 
 def torchrun_ranks(nodes: int, gpus_per_node: int = 8, visible: tuple[str, ...] = ()) -> list[RankGpu]:

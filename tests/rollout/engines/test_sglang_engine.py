@@ -36,7 +36,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, require_sglang) -> dict[str, Path]:
-    from tiny_models import save_tiny_model
+    from tests.support.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("sglang_models")
     return {"A": save_tiny_model("qwen2", root / "a", seed=0), "B": save_tiny_model("qwen2", root / "b", seed=1)}
@@ -80,7 +80,7 @@ def _reference_log_probs(model, prompt, response, temperature: float = 1.0) -> t
 
 
 def test_log_probs_and_greedy_tokens_match_hf(engine, model_dirs, on_a):
-    from tiny_models import load_hf_model
+    from tests.support.tiny_models import load_hf_model
 
     reference = load_hf_model(model_dirs["A"])
     sampled = engine.generate(PROMPTS, SAMPLED)

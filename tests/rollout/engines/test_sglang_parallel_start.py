@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from tiny_models import save_tiny_model
-from torchrun_utils import REPO_ROOT, TESTS_DIR, launch_slot
+from tests.support.tiny_models import save_tiny_model
+from tests.support.torchrun_utils import REPO_ROOT, launch_slot
 
 WORKER = Path(__file__).parent / "_sglang_start_worker.py"
 ENGINES = 2
@@ -24,7 +24,7 @@ def test_two_engines_started_at_once_on_one_node_both_generate(require_sglang, t
     model = save_tiny_model("qwen2", tmp_path / "qwen2", seed=0)
     ready = tmp_path / "ready"
     ready.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     results = [tmp_path / f"engine{slot}.json" for slot in range(ENGINES)]

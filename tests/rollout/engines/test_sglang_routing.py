@@ -18,7 +18,7 @@ import torch
 
 from megatron_dapo.model.hf_routing import RoutingRecorder
 from megatron_dapo.rollout.base import SamplingParams
-from tiny_models import load_hf_model, save_tiny_model
+from tests.support.tiny_models import load_hf_model, save_tiny_model
 
 pytestmark = [pytest.mark.usefixtures("require_sglang"), pytest.mark.launch]
 

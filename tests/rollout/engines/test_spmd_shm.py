@@ -16,8 +16,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tiny_models import save_tiny_model
-from torchrun_utils import run_torchrun_function
+from tests.support.tiny_models import save_tiny_model
+from tests.support.torchrun_utils import run_torchrun_function
 
 PROBE = Path(__file__).parent / "_vllm_spmd_probe.py"
 

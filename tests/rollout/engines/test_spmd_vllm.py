@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, check_memory_tags
 from megatron_dapo.distributed.placement import SpmdSlot, choose_sync_mode, resolve_placement
+from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, check_memory_tags
 from megatron_dapo.rollout.engines.process_state import get_memory_policy, preserved_process_state
-from tiny_models import build_random_model
-from torchrun_utils import run_torchrun_script
+from tests.support.tiny_models import build_random_model
+from tests.support.torchrun_utils import run_torchrun_script
 
 WORKER = Path(__file__).parent / "_spmd_worker.py"
 VOCAB = 300
@@ -199,7 +199,7 @@ def _save_model(out_dir: Path, tied: bool, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def spmd_results(require_vllm, tmp_path_factory):
-    from ci import skip_or_fail
+    from tests.support.ci import skip_or_fail
 
     if len(os.sched_getaffinity(0)) < 2:
         skip_or_fail("the SPMD test runs two ranks with one vLLM shard each and needs 2 CPUs")

@@ -6,7 +6,7 @@ from the engine are compared with the exact tensors pushed. Two engines are star
 (once per module each): an untied Qwen2 (TP = 1) and a tied Qwen2 whose vocabulary (394) is not a
 multiple of vLLM's padding (64) and which runs with TP = 2 (one KV head, so the KV head is
 replicated on both ranks); on a machine with one CPU it runs with TP = 1 and a warning, and fails
-under CI (`tests/ci.py`). The tied model is the one where a reload would otherwise leave the LM
+under CI (`tests/support/ci.py`). The tied model is the one where a reload would otherwise leave the LM
 head's packed copy stale.
 
 Without vLLM the engine tests skip, except under CI (true / 1 / yes), where a missing vLLM is a failure.
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.model.bucketing import iter_buckets, write_safetensors
+from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.engines.vllm.engine import cpu_thread_binding
 from megatron_dapo.rollout.engines.vllm.io import vllm_sampling_kwargs
-from tiny_models import build_random_model
-from vllm_engines import start_test_engine, usable_tp
+from tests.support.tiny_models import build_random_model
+from tests.support.vllm_engines import start_test_engine, usable_tp
 
 # Lengths 1..9: batching and positions matter.
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]

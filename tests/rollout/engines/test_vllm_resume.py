@@ -20,16 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import CONFIG, FAST, cli, deterministic, read_metrics, stop_after_step, workspace_overrides
+from tests.support.trainer_runs import CONFIG, FAST, cli, deterministic, read_metrics, stop_after_step, workspace_overrides
 
 VLLM = ["rollout.engine=vllm", "trainer.total_steps=3"]
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> dict[str, Path]:
-    from megatron_dapo.cli.demo import prepare_workspace
-
-    return prepare_workspace(tmp_path_factory.mktemp("vllm-resume-workspace"), seed=7, num_train=200, num_val=8)
 
 
 def _equal(x, y) -> bool:
@@ -69,13 +62,13 @@ CPUS = sorted(os.sched_getaffinity(0))
 
 
 @pytest.fixture(scope="module")
-def runs(workspace, tmp_path_factory, require_vllm) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def runs(demo_workspace, tmp_path_factory, require_vllm) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """Three uninterrupted steps, and the same run stopped after step 1, at once on two CPUs:
     name -> (output directory, process)."""
     root = tmp_path_factory.mktemp("vllm-resume")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        straight = pool.submit(_run, _train_args(workspace, root / "straight"), CPUS[0])
-        stopped = pool.submit(_run_stopped_after_step_1, _train_args(workspace, root / "stopped"), root / "stopped", CPUS[-1])
+        straight = pool.submit(_run, _train_args(demo_workspace, root / "straight"), CPUS[0])
+        stopped = pool.submit(_run_stopped_after_step_1, _train_args(demo_workspace, root / "stopped"), root / "stopped", CPUS[-1])
     return {"straight": (root / "straight", straight.result()), "stopped": (root / "stopped", stopped.result())}
 
 
@@ -98,7 +91,7 @@ def test_vllm_engine_trains_with_weight_sync_every_step(straight):
         assert metrics[step]["weight_sync/seconds"] > 0
 
 
-def test_sigterm_then_resume_equals_uninterrupted_with_vllm(workspace, runs, straight):
+def test_sigterm_then_resume_equals_uninterrupted_with_vllm(demo_workspace, runs, straight):
     reference = read_metrics(straight)
     assert sorted(reference) == [1, 2, 3]
 
@@ -107,7 +100,7 @@ def test_sigterm_then_resume_equals_uninterrupted_with_vllm(workspace, runs, str
     stopped_at = int((stopped / "checkpoints" / "latest").read_text().strip().split("_")[-1])
     assert stopped_at in (1, 2), stopped_at  # the signal lands during step 1's logging or step 2
 
-    _ok(_run([*_train_args(workspace, stopped), "--resume"], CPUS[0]))
+    _ok(_run([*_train_args(demo_workspace, stopped), "--resume"], CPUS[0]))
     resumed = read_metrics(stopped)
     assert sorted(resumed) == [1, 2, 3]
     for step in range(stopped_at + 1, 4):

@@ -1,4 +1,4 @@
-"""Worker for test_shard_handover.py (run with tests/torchrun_utils.py; not collected by pytest).
+"""Worker for test_shard_handover.py (run with tests/support/torchrun_utils.py; not collected by pytest).
 
 Plain gloo processes (no Megatron): every rank is a TP rank of one group and holds its slices of a
 few full tensors; `SharedMemoryHandover` must deliver the full tensors to the engine on rank 0.

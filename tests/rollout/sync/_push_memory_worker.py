@@ -1,7 +1,7 @@
 """Worker of test_push_memory.py: what a weight push allocates between the actor's export and vLLM's loader.
 
 Two ranks, a TP=2 actor of a Qwen2 model many times larger than a bucket. Each push runs under
-`storage_ledger.weight_path_ledger`: the export stream and the engine's own loading (vLLM's loaders,
+`weight_path_ledger` (tests/support/storage_ledger.py): the export stream and the engine's own loading (vLLM's loaders,
 layer-wise reload and commit) paused, so the ledger counts exactly what the weight path between
 them allocates: bucket copies, full-shape buffers, staging. Pushes:
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from torchrun_utils import reporting
+from tests.support.torchrun_utils import reporting
 
 BUCKET_MB = 0.05
 MOE_BUCKET_MB = 192 / 1024  # two experts' tensors of the MoE test model (48 KiB each): buffers of one bucket's half
@@ -53,7 +53,7 @@ def _differ(engine, expected: dict) -> list[str]:
 
 def _measured(push) -> tuple[dict, object]:
     """Run `push` under a ledger with the export and the engine's own loading paused."""
-    from megatron_dapo.rollout.sync.storage_ledger import weight_path_ledger
+    from tests.support.storage_ledger import weight_path_ledger
 
     with weight_path_ledger() as ledger:
         stats = push()
@@ -71,7 +71,7 @@ def _moe_export(moe_dir: str) -> dict:
     from megatron_dapo.model.hf_config import read_hf_config
     from megatron_dapo.model.load import load_hf_into_megatron
     from megatron_dapo.rollout.sync.gather import iter_weight_buckets
-    from megatron_dapo.rollout.sync.storage_ledger import StorageLedger
+    from tests.support.storage_ledger import StorageLedger
 
     teardown(keep_process_group=True)
     ctx = init_distributed(ParallelLayout(ep=2), timeout_s=300, seed=3)

@@ -1,4 +1,4 @@
-"""Worker for the weight-sync tests (run through tests/torchrun_utils.py, not collected by pytest).
+"""Worker for the weight-sync tests (run through tests/support/torchrun_utils.py, not collected by pytest).
 
 `run_layouts` runs in one launch of 4 processes and goes through several actor layouts (TP / PP /
 VPP; the remaining ranks are data-parallel replicas). One rollout engine lives on rank 0 for the
@@ -316,7 +316,7 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
         out["error"] = traceback.format_exc()
         raise
     finally:
-        from torchrun_utils import write_rank_result
+        from tests.support.torchrun_utils import write_rank_result
 
         write_rank_result(out)
         if engine is not None:

@@ -15,26 +15,11 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from torchrun_utils import two_at_a_time
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _run(*args: str, script: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
-    entry = [str(ROOT / "tools" / "check_sync.py")] if script else ["-m", "megatron_dapo.cli", "check-sync"]
-    return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def _mismatch(stdout: str) -> tuple[float, float]:
-    match = re.search(r"mean \|diff\| (\S+)\s+max \|diff\| (\S+)", stdout)
-    assert match, stdout
-    return float(match.group(1)), float(match.group(2))
-
+from tests.support.check_sync_runs import printed_mismatch, run_check_sync
+from tests.support.torchrun_utils import two_at_a_time
 
 CORRUPTED_IN_VLLM = "model.layers.1.mlp.up_proj.weight"
 CORRUPTED_AFTER_STEP = "model.layers.2.mlp.up_proj.weight"
@@ -45,12 +30,12 @@ def runs(tiny_model_dirs) -> dict[str, subprocess.CompletedProcess]:
     """Every command of the module, two at a time, longest first (the vLLM one only where vLLM
     imports; its test then fails or skips through `require_vllm`): name -> process."""
     jobs = {
-        "spmd_vllm": lambda: _run("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "vllm", "--tp", "2", "--placement", "spmd",
+        "spmd_vllm": lambda: run_check_sync("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "vllm", "--tp", "2", "--placement", "spmd",
                                   "--corrupt-tensor", CORRUPTED_IN_VLLM, timeout=600),
-        "after_step": lambda: _run("--hf-dir", str(tiny_model_dirs["llama3"]), "--pp", "2", "--update", "step",
+        "after_step": lambda: run_check_sync("--hf-dir", str(tiny_model_dirs["llama3"]), "--pp", "2", "--update", "step",
                                    "--corrupt-tensor", CORRUPTED_AFTER_STEP, "--only-failures", script=True, timeout=400),
-        "tp2": lambda: _run("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "embedded", "--tp", "2", timeout=400),
-        "single_process": lambda: _run("--hf-dir", str(tiny_model_dirs["qwen2"]), "--tolerance", "1e-12", "--only-failures", timeout=400),
+        "tp2": lambda: run_check_sync("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "embedded", "--tp", "2", timeout=400),
+        "single_process": lambda: run_check_sync("--hf-dir", str(tiny_model_dirs["qwen2"]), "--tolerance", "1e-12", "--only-failures", timeout=400),
     }  # fmt: skip
     if importlib.util.find_spec("vllm") is None:
         del jobs["spmd_vllm"]
@@ -65,7 +50,7 @@ def test_tp2_passes_and_reports_every_tensor(runs):
     assert len(re.findall(r"^   OK    ", out.stdout, flags=re.M)) == 50  # tied: no lm_head.weight
     assert "50 of 50 tensors equal" in out.stdout and "PASS" in out.stdout
     assert "(shared_memory)" in out.stdout and "MB of this rank's own slices" in out.stdout  # auto at TP=2
-    mean, largest = _mismatch(out.stdout)
+    mean, largest = printed_mismatch(out.stdout)
     assert 0 <= mean <= largest < 1e-4
 
 
@@ -89,7 +74,7 @@ def test_single_process_fails_on_tolerance_alone(runs):
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "starting" not in out.stdout  # one process: no relaunch
     assert "51 of 51 tensors equal" in out.stdout and "DIFF" not in out.stdout
-    _, largest = _mismatch(out.stdout)
+    _, largest = printed_mismatch(out.stdout)
     assert largest > 1e-12
     assert "FAIL: max |diff|" in out.stdout
 

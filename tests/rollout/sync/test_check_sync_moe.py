@@ -21,26 +21,20 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tiny_models import save_tiny_model
-from torchrun_utils import two_at_a_time
+from tests.support.check_sync_runs import run_check_sync
+from tests.support.tiny_models import save_tiny_model
+from tests.support.torchrun_utils import two_at_a_time
 
-ROOT = Path(__file__).resolve().parents[3]
 TENSORS = 45  # embedding, final norm, LM head + 2 layers x (9 attention / norm / router + 4 experts x 3)
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
     return save_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
-
-
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "megatron_dapo.cli", "check-sync", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def _ok_names(stdout: str) -> list[str]:
@@ -55,12 +49,12 @@ def runs(moe_dir) -> dict[str, subprocess.CompletedProcess]:
     """The three commands, two at a time (the vLLM ones only where vLLM imports; their tests then fail
     or skip through `require_vllm`): name -> process."""
     jobs = {
-        "vllm_leader": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", CORRUPTED, timeout=900),
-        "vllm_spmd": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd", timeout=900),
-        "embedded": lambda: _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2"),
-        "vllm_leader_ep2": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", timeout=900),
-        "vllm_spmd_ep2": lambda: _run("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", "--placement", "spmd", timeout=900),
-        "embedded_ep2": lambda: _run("--hf-dir", str(moe_dir), "--engine", "embedded", "--ep", "2"),
+        "vllm_leader": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", CORRUPTED, timeout=900),
+        "vllm_spmd": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd", timeout=900),
+        "embedded": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2", timeout=600),
+        "vllm_leader_ep2": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", timeout=900),
+        "vllm_spmd_ep2": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", "--placement", "spmd", timeout=900),
+        "embedded_ep2": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "embedded", "--ep", "2", timeout=600),
     }
     if importlib.util.find_spec("vllm") is None:
         jobs = {name: job for name, job in jobs.items() if name.startswith("embedded")}

@@ -1,7 +1,8 @@
 """Memory of a weight push: the path between the actor's export and the engine's loader holds a bucket, not the model.
 
-Pure and cheap: the `StorageLedger` that measures it (counts new storages and the peak alive, not
-views, in-place results or memory-mapped files), and the bucket-device rule (`bucketing.bucket_device`).
+Pure and cheap: the `StorageLedger` that measures it (tests/support/storage_ledger.py: counts new
+storages and the peak alive, not views, in-place results or memory-mapped files), and the
+bucket-device rule (`bucketing.bucket_device`).
 
 The real engine (one torchrun launch of 2 ranks, _push_memory_worker.py): a TP=2 actor of a Qwen2
 model ~50 times the size of a bucket (and of its largest tensor) pushes its weights into vLLM's CPU
@@ -28,9 +29,9 @@ import pytest
 import torch
 
 from megatron_dapo.model.bucketing import write_safetensors
-from megatron_dapo.rollout.sync.storage_ledger import StorageLedger
-from tiny_models import build_random_model
-from torchrun_utils import run_torchrun_script
+from tests.support.storage_ledger import StorageLedger
+from tests.support.tiny_models import build_random_model
+from tests.support.torchrun_utils import run_torchrun_script
 
 WORKER = Path(__file__).parent / "_push_memory_worker.py"
 
@@ -120,7 +121,7 @@ def _save_moe_model(out_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def push_results(require_vllm, tmp_path_factory):
-    from ci import skip_or_fail
+    from tests.support.ci import skip_or_fail
 
     if len(os.sched_getaffinity(0)) < 2:
         skip_or_fail("the push-memory test runs two ranks with one vLLM shard each and needs 2 CPUs")

@@ -16,24 +16,24 @@ import re
 
 import pytest
 
-from tests.rollout.sync.test_check_sync import _mismatch, _run
+from tests.support.check_sync_runs import printed_mismatch, run_check_sync
 
 pytestmark = pytest.mark.usefixtures("require_sglang")
 
 
 def test_tp1_every_tensor_equal_and_log_probs_match(tiny_model_dirs):
-    out = _run("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "sglang", timeout=600)
+    out = run_check_sync("--hf-dir", str(tiny_model_dirs["qwen2_tied"]), "--engine", "sglang", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "engine: sglang float32 on rank 0" in out.stdout
     assert "before the sync, 50 of 50 engine tensors differ from the actor" in out.stdout
     assert "50 of 50 tensors equal" in out.stdout and "PASS" in out.stdout
-    mean, largest = _mismatch(out.stdout)
+    mean, largest = printed_mismatch(out.stdout)
     assert 0 <= mean <= largest < 1e-4
 
 
 def test_tp2_engine_fails_only_on_a_corrupted_tensor(tiny_model_dirs):
     name = "model.layers.1.mlp.up_proj.weight"
-    out = _run("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "sglang", "--tp", "2", "--corrupt-tensor", name,
+    out = run_check_sync("--hf-dir", str(tiny_model_dirs["qwen3"]), "--engine", "sglang", "--tp", "2", "--corrupt-tensor", name,
                timeout=600)  # fmt: skip
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "starting 2 processes" in out.stdout and "(shared_memory)" in out.stdout
@@ -44,11 +44,11 @@ def test_tp2_engine_fails_only_on_a_corrupted_tensor(tiny_model_dirs):
 
 
 def test_ep2_moe_gathers_and_every_expert_is_equal(tmp_path):
-    from tiny_models import save_tiny_model
+    from tests.support.tiny_models import save_tiny_model
 
     tensors = 45  # embedding, final norm, LM head + 2 layers x (9 attention / norm / router + 4 experts x 3)
     moe_dir = save_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
-    out = _run("--hf-dir", str(moe_dir), "--engine", "sglang", "--ep", "2", timeout=900)
+    out = run_check_sync("--hf-dir", str(moe_dir), "--engine", "sglang", "--ep", "2", timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "starting 2 processes (tp=1 x pp=1 x ep=2)" in out.stdout and "(gather)" in out.stdout
     assert f"{tensors} of {tensors} tensors equal" in out.stdout and "PASS" in out.stdout

@@ -12,7 +12,7 @@ import torch
 from megatron_dapo.model.arch_tables import ARCH_TABLES
 from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
 from megatron_dapo.rollout.sync.shards import engine_shards
-from shard_shapes import SHARD_SHAPE, hf_tensor
+from tests.support.shard_shapes import SHARD_SHAPE, hf_tensor
 
 
 def _slice_of_rank(full: torch.Tensor, rank: int, tp: int, dim: int) -> torch.Tensor:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from megatron_dapo.model.arch_tables import ARCH_TABLES
-from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
 from megatron_dapo.model.bucketing import bucket_stream
+from megatron_dapo.model.mapping import MappingTable, ModelShape, expand_experts, padded_vocab_size
 from megatron_dapo.rollout.sync.shards import EngineShard, engine_shards
 from megatron_dapo.rollout.sync.shared_memory import iter_safetensors, write_shards_into_bucket_file
-from shard_shapes import SHARD_SHAPE, hf_tensor
+from tests.support.shard_shapes import SHARD_SHAPE, hf_tensor
 
 
 def _full_hf_tensors(table: MappingTable, num_layers: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ actor feeding a TP=2 vLLM engine (two vLLM workers, each reading its own slices)
 
 The vLLM launch uses the tiny Qwen3 (head_dim 32: vLLM's CPU attention needs 32 or 64) and vLLM's
 own read-back (`VLLMEngine.named_weights`, which reads the weights through its kernels). Without
-vLLM the test skips, except under CI (`tests/ci.py`: CI=true, 1 or yes) where it fails.
+vLLM the test skips, except under CI (`tests/support/ci.py`: CI=true, 1 or yes) where it fails.
 
 The three launches start two at a time (`launches`). The parts that need no process group run in
 one process: bucketing (tests/model/test_bucketing.py), the TP-shard rule (test_shards.py), the dispatcher
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_utils import run_torchrun_script, two_at_a_time
+from tests.support.torchrun_utils import run_torchrun_script, two_at_a_time
 
 WORKER = Path(__file__).parent / "_sync_worker.py"
 LAYOUTS = [
