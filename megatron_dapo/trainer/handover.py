@@ -126,6 +126,23 @@ class GpuHandover:
             self.to_engine(push=self.rollout.sleep_discards_weights)
 
 
+    @contextmanager
+    def actor_for_exit(self) -> Iterator[None]:
+        """The exit save's hand-over (SIGTERM): the actor's offloaded state comes back for the save,
+        and the GPU never goes back to the engine (no wake, no push: the process ends). The save
+        needs no engine: where the leader's engine cannot sleep (it died, or its sleep fails) that
+        is said and passed over; the replica still meets, so every rank onloads only after the
+        leader is done with its engine either way."""
+        if self.offload.offloaded:
+            try:
+                self.rollout.sleep()
+            except Exception as error:  # noqa: BLE001 - the checkpoint must not depend on the engine
+                print(f"the rollout engine could not sleep before the exit save ({type(error).__name__}: {error}); saving anyway", flush=True)
+            self.barrier.wait()
+            self.offload.onload()
+        yield
+
+
 def start_engine(
     cfg: Config, layout: ParallelLayout, actor: Any, offload: ActorOffload, hf_config: Any, device
 ) -> tuple[GpuHandover, SyncStats]:

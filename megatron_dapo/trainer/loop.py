@@ -251,17 +251,20 @@ class DAPOTrainer:
         self._exit_preempted(f"SIGTERM during step {interrupted}, before its update: checkpoint of step {self.step} written")
 
     def _exit_preempted(self, what: str) -> None:
-        """Save the current state (unless saved already), say so, exit with 143 (every rank)."""
-        self.save()
-        self.say_rank0(f"{what}; continue with --resume")
+        """Save the current state (unless saved already) without the engine, say so, exit with 143 (every rank)."""
+        self.save(exiting=True)
+        since = self.sigterm.seconds_since()
+        self.say_rank0(f"{what}; continue with --resume" + ("" if since is None else f" ({since:.1f} s after the SIGTERM)"))
         raise TrainingInterrupted(EXIT_PREEMPTED)
 
     # ------------------------------------------------------------------ checkpoints, logging
 
-    def save(self) -> Optional[Path]:
+    def save(self, exiting: bool = False) -> Optional[Path]:
+        """Checkpoint the current step (once). `exiting` (SIGTERM): the GPU does not go back to the engine."""
         if self._last_saved_step == self.step:
             return None
-        with self.handover.actor_on_gpu():  # the checkpoint reads the actor's state
+        moves = self.handover.actor_for_exit() if exiting else self.handover.actor_on_gpu()
+        with moves:  # the checkpoint reads the actor's state
             path = save_run_checkpoint(self.checkpoint_root, self.step, self.actor, self.sampler, self.cfg)
         self._last_saved_step = self.step
         self.plot()  # a run killed later still has its curves up to here

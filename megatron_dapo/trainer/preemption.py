@@ -9,13 +9,20 @@ of its results), before the update, and after the step.
   run redoes the step with the same prompts and seeds.
 * After the step the step is finished (weight sync, metrics) and saved.
 
-Either way the process exits with code 143 (`TrainingInterrupted`).
+Either way the process exits with code 143 (`TrainingInterrupted`). The exit save needs no
+engine (`GpuHandover.actor_for_exit`: it never gives the GPU back), and the engine's own processes
+never see the SIGTERM (`process_state.sigterm_ignored_by_new_processes`), so a generation batch in
+flight ends normally. The time from SIGTERM to exit is therefore at most what is left of the
+current generation batch (or of the update, weight sync and validation) plus one checkpoint write:
+the lead time of `#SBATCH --signal=TERM@N` must cover it (slurm/README.md).
 """
 
 from __future__ import annotations
 
 import signal
+import time
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
 from megatron_dapo.distributed.objects import any_rank
@@ -32,6 +39,8 @@ class SigtermFlag:
 
     def __init__(self) -> None:
         self.received = False
+        self.received_at: Optional[float] = None
+        """`time.monotonic()` at the first SIGTERM (None before one)."""
         self._previous = None
 
     def __enter__(self) -> "SigtermFlag":
@@ -42,7 +51,13 @@ class SigtermFlag:
         signal.signal(signal.SIGTERM, self._previous)
 
     def _on_signal(self, signum, frame) -> None:
+        if not self.received:
+            self.received_at = time.monotonic()
         self.received = True
+
+    def seconds_since(self) -> Optional[float]:
+        """Seconds since this process's SIGTERM (None where another rank's made the run stop)."""
+        return None if self.received_at is None else time.monotonic() - self.received_at
 
     def asked(self) -> bool:
         """Did any rank receive SIGTERM? A collective on the default group: call it only where every

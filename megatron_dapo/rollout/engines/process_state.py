@@ -13,6 +13,17 @@ built (the engine keeps working: it read what it needed while starting).
 
 `temporary_environment` is the one helper for "these variables while an engine starts, then as
 before" (SGLang's processes read theirs at start).
+
+`sigterm_ignored_by_new_processes`: under SLURM a SIGTERM (preemption, `--signal=TERM@N`) reaches
+every process of the job step, the engine's own processes included (vLLM's engine core and TP
+workers, SGLang's scheduler and detokenizer), and those exit on it at once: the running `generate`
+fails, or the trainer's exit save finds no engine. Processes started in this context keep SIGTERM
+blocked for their whole life, so the trainer alone decides when they stop (it saves, then shuts
+the engine down). A blocked signal, not an ignored one: an ignored disposition would be replaced by
+the handlers vLLM and SGLang install in their processes, whereas a blocked one is inherited through
+fork and exec (multiprocessing's spawn) and by every thread and process those start, whatever
+handler they install; and the trainer's own SIGTERM during the start is delivered after it, not
+lost as it would be with SIG_IGN.
 """
 
 from __future__ import annotations
@@ -20,9 +31,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import multiprocessing
 import platform
 import random
-from dataclasses import dataclass
+import signal
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -127,3 +141,49 @@ def preserved_process_state() -> Iterator[None]:
             numpy.random.set_state(numpy_rng)
         if memory_policy is not None and get_memory_policy() != memory_policy:
             set_memory_policy(memory_policy)
+
+
+@dataclass
+class StartedProcesses:
+    """The multiprocessing children of this process started in a `sigterm_ignored_by_new_processes` body."""
+
+    processes: list = field(default_factory=list)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def interrupt(self) -> list[int]:
+        """Send SIGINT to those still running (the stop signal they still hear); returns their pids.
+
+        vLLM's engine core and workers stop cleanly on SIGINT as on SIGTERM; without it vLLM's own
+        shutdown, whose SIGTERM stays blocked, waits its grace period and then kills them."""
+        sent = []
+        for process in self.processes:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGINT)
+                    sent.append(process.pid)
+        return sent
+
+
+@contextlib.contextmanager
+def sigterm_ignored_by_new_processes() -> Iterator[StartedProcesses]:
+    """Processes started in the body (and all they start) never receive SIGTERM; this process does.
+
+    SIGTERM is blocked in the calling thread while the body runs, so children forked or spawned from
+    it inherit the block (see the module doc); afterwards the thread's mask is as before, and a
+    SIGTERM that came meanwhile reaches the trainer's handler then (or at once, through another of
+    its threads). Yields the multiprocessing children started in the body (`StartedProcesses`)."""
+    # multiprocessing's resource tracker, started on the first spawn, unblocks SIGINT and SIGTERM
+    # in the starting thread once it is up (Python 3.11, `resource_tracker.ensure_running`): start it
+    # before the block. The processes spawned here (and theirs) then share it and start no other.
+    resource_tracker.ensure_running()
+    before = {p.pid for p in multiprocessing.active_children()}
+    started = StartedProcesses()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield started
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        started.processes = [p for p in multiprocessing.active_children() if p.pid not in before]

@@ -104,7 +104,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional
 import torch
 from safetensors.torch import load_file
 
-from megatron_dapo.rollout.engines.process_state import temporary_environment
+from megatron_dapo.rollout.engines.process_state import sigterm_ignored_by_new_processes, temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
 from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
 from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, iter_buckets
@@ -411,7 +411,9 @@ class SGLangEngine(RolloutEngine):
         if compat:
             environment.update(sglang_cpu_compat.child_environment(self._site_dir))
         try:
-            with temporary_environment(environment):  # SGLang's processes start with it
+            # SGLang's processes start with it, and with SIGTERM blocked: under SLURM the trainer saves
+            # first and stops them itself (process_state; SGLang's shutdown kills them).
+            with temporary_environment(environment), sigterm_ignored_by_new_processes():
                 self._engine = sglang.Engine(
                     model_path=str(hf_dir),
                     tp_size=tensor_parallel_size,

@@ -90,7 +90,7 @@ from megatron_dapo.rollout.engines.vllm.launch import (
     spmd_environment,
     unique_shared_memory_names,
 )
-from megatron_dapo.rollout.engines.process_state import preserved_process_state
+from megatron_dapo.rollout.engines.process_state import StartedProcesses, preserved_process_state, sigterm_ignored_by_new_processes
 from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
 
 _INSTALL_HINT = (
@@ -265,6 +265,7 @@ class VLLMEngine(RolloutEngine):
         self._llm = None
         self._dist_idents: set[str] = set()
         self._shm_token: Optional[str] = None
+        self._engine_processes = StartedProcesses()
         self._shm_rank = 0
         self._shm_prefix: Optional[str] = None
         # Temporary directories go even if the engine is never shut down (vLLM reaps its own processes).
@@ -296,7 +297,10 @@ class VLLMEngine(RolloutEngine):
         try:
             # Everything vLLM changes in this process while starting (environment, threads, RNG,
             # NUMA policy: see process_state) is put back; its processes, spawned now, keep theirs.
-            with preserved_process_state(), unique_shared_memory_names(self._shm_token) as shm_names:
+            # Its processes (leader placement: engine core, TP workers) keep SIGTERM blocked: under SLURM
+            # the trainer saves first and stops them itself (process_state; `shutdown` sends SIGINT).
+            with preserved_process_state(), unique_shared_memory_names(self._shm_token) as shm_names, \
+                    sigterm_ignored_by_new_processes() as self._engine_processes:
                 os.environ.update(environment)
                 # vLLM reads its settings through `vllm.envs`, which an in-process engine core
                 # freezes (`enable_envs_cache`); this engine must see the environment just set.
@@ -552,6 +556,7 @@ class VLLMEngine(RolloutEngine):
                     with _keeping_the_default_process_group():
                         llm.llm_engine.engine_core.shutdown()
                 else:
+                    self._engine_processes.interrupt()  # their SIGTERM is blocked: SIGINT is vLLM's other stop signal
                     llm.llm_engine.engine_core.shutdown()
             finally:
                 del llm
