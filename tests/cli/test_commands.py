@@ -22,6 +22,7 @@ HELP_MENTIONS = {
     "config": "--world-size",
     "convert": "hf-to-megatron",
     "check-sync": "--tolerance",
+    "smoke": "one table",
 }
 
 

@@ -214,7 +214,10 @@ def test_shm_need_follows_the_weight_sync():
     vllm_spmd = load_config(CONFIG_32B)
     need, why = checks.shm_need(vllm_spmd, vllm_spmd.parallel_layout(32), 8, "n1")
     assert need == GIB and "bucket" not in why  # SPMD tp_shards: no bucket files in /dev/shm
-    leader = load_config(None, ["rollout.engine=sglang", "parallel.tp=2", "rollout.tp=2", "rollout.weight_sync_bucket_mb=512"])
+    sglang = load_config(None, ["rollout.engine=sglang", "parallel.tp=2", "rollout.tp=2"])
+    assert checks.shm_need(sglang, sglang.parallel_layout(8), 8, "n1")[0] == GIB  # on GPUs SGLang gathers: no bucket files
+    leader = load_config(None, ["rollout.engine=vllm", "rollout.placement=leader", "parallel.tp=2", "rollout.tp=2",
+                                "rollout.weight_sync_bucket_mb=512"])  # fmt: skip
     need, why = checks.shm_need(leader, leader.parallel_layout(8), 8, "n1")
     assert checks.shm_need(leader, None, 8, "n1") == (GIB, why.split(" + ")[0])  # a config that does not fit: the base only
     assert need == GIB + 4 * 512 * 2**20 and "4 weight-sync bucket file(s)" in why

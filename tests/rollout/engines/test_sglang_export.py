@@ -97,3 +97,28 @@ def test_layouts_it_cannot_read_are_left_out_or_named():
         state["model.norm.weight"] = torch.zeros(3, 3)
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         dict(hf_tensors_from_sglang_shards(broken, shapes))
+
+
+def test_fused_experts_come_back_one_matrix_at_a_time_over_tp_ranks():
+    """SGLang's FusedMoE: `experts.w13_weight` [E, 2 x I / TP, H] (gate rows then up rows per rank) and
+    `experts.w2_weight` [E, H, I / TP]: each HF expert matrix is rebuilt from both TP ranks' slices."""
+    import torch
+
+    from megatron_dapo.rollout.engines.sglang.engine import hf_tensors_from_sglang_shards
+
+    experts, inter, hidden, tp = 2, 4, 3, 2
+    gen = torch.Generator().manual_seed(0)
+    full = {}
+    for e in range(experts):
+        for part, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            full[f"model.layers.0.mlp.experts.{e}.{part}.weight"] = torch.randn(shape, generator=gen)
+    ranks = []
+    for r in range(tp):
+        rows = slice(r * inter // tp, (r + 1) * inter // tp)
+        w13 = torch.stack([torch.cat([full[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"][rows],
+                                      full[f"model.layers.0.mlp.experts.{e}.up_proj.weight"][rows]]) for e in range(experts)])  # fmt: skip
+        w2 = torch.stack([full[f"model.layers.0.mlp.experts.{e}.down_proj.weight"][:, rows] for e in range(experts)])
+        ranks.append({"model.layers.0.mlp.experts.w13_weight": w13, "model.layers.0.mlp.experts.w2_weight": w2})
+    back = dict(hf_tensors_from_sglang_shards(ranks, {name: tuple(t.shape) for name, t in full.items()}))
+    assert back.keys() == full.keys()
+    assert all(torch.equal(back[name], full[name]) for name in full)

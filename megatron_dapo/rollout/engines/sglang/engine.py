@@ -93,6 +93,7 @@ import base64
 
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -715,6 +716,28 @@ def _split_fused(tensor: torch.Tensor, name: str, part: str, members: tuple[str,
     return torch.split(tensor, sizes, dim=0)[members.index(part)]
 
 
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_slice(rank: Mapping[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """One TP rank's slice of routed expert matrix `name` from SGLang's fused experts, or None.
+
+    SGLang's FusedMoE holds a layer's experts as `experts.w13_weight` [E, 2 x I / TP, H] (each
+    expert's gate rows, then its up rows: the checkpoint's w1 and w3) and `experts.w2_weight`
+    [E, H, I / TP] (down_proj, split on its input dim)."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    source = f"{match['prefix']}.{'w2_weight' if match['part'] == 'down_proj' else 'w13_weight'}"
+    if source not in rank:
+        return None
+    expert = rank[source][int(match["expert"])]
+    if match["part"] == "down_proj":
+        return expert
+    gate, up = torch.split(expert, expert.shape[0] // 2, dim=0)
+    return gate if match["part"] == "gate_proj" else up
+
+
 def _gather(slices: Sequence[torch.Tensor], shape: tuple[int, ...], name: str) -> torch.Tensor:
     """The full tensor from its TP slices: equal to the HF shape (replicated), or split on one dim."""
     first = slices[0]
@@ -738,8 +761,9 @@ def hf_tensors_from_sglang_shards(
     For each name of the HF checkpoint (`hf_shapes`): SGLang's tensor of the same name, or its slice
     of the fused qkv_proj / gate_up_proj; split over TP ranks on one dim (column / row parallel,
     vocabulary: padded rows cut), or replicated (norms; KV heads when TP > KV heads). A tied
-    embedding SGLang saves once, as lm_head.weight. Names SGLang holds under another layout (e.g.
-    fused MoE experts) are left out.
+    embedding SGLang saves once, as lm_head.weight. Routed experts come out of the layer's fused
+    expert tensors one matrix at a time (`_expert_slice`). Names SGLang holds under another layout
+    are left out.
     """
     tp = len(ranks)
     for name, shape in hf_shapes.items():
@@ -750,6 +774,8 @@ def hf_tensors_from_sglang_shards(
             name_in_engine = name
         if name_in_engine in ranks[0]:
             slices = [rank[name_in_engine] for rank in ranks]
+        elif _expert_slice(ranks[0], name) is not None:
+            slices = [_expert_slice(rank, name) for rank in ranks]
         else:
             fused = _fused_parts(name)
             if fused is None or fused[0] not in ranks[0]:
