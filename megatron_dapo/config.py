@@ -203,10 +203,19 @@ class RolloutConfig:
     val_top_p: float = 0.7
     seed: int = 0
     gather_timeout_s: float = 10800.0
-    """How long ranks wait for each other's generation results (3 hours). Engines generate on their
-    own and may finish minutes apart, so the ranks meet on a gloo group with this timeout before any
-    tensor moves over the default group (NCCL on GPUs), whose timeout is
-    `trainer.collective_timeout_s`. Raise it if one generation batch can take longer."""
+    """The longest a rank waits for another rank that is alive (3 hours): for the others' generation
+    results, and for the replica leader's engine to start, sleep or wake. Engines generate on their
+    own and may finish minutes apart; the waiting ranks watch the ones they wait for
+    (`rollout.liveness_window_s`), so a rank that is gone is noticed within that window, and this
+    bound only ends the wait for one that is alive but stuck (and is the timeout of the gloo group
+    the results then move on, before any tensor moves over the default group, NCCL on GPUs, whose
+    timeout is `trainer.collective_timeout_s`). Raise it if one generation batch can take longer."""
+    liveness_window_s: float = 60.0
+    """How long a rank that others wait for may go without a heartbeat before they stop waiting
+    (`distributed/liveness.py`): every rank beats in the job's store every window / 6 seconds, and a
+    rank whose process died or froze, or whose node is gone, is noticed within about 1.5 x this
+    window, instead of after `rollout.gather_timeout_s`. Raise it where the store is slow or a
+    process can hold Python's interpreter lock for long (a slow beat is taken for a death)."""
     seed_per_prompt: bool = False
     """How training generation is seeded (validation always seeds per prompt). false: each generation
     batch seeds the engine's sampler once (from rollout.seed, the step, the batch and the engine) and
@@ -707,6 +716,7 @@ def validate(cfg: Config) -> None:
     _require(t.checkpoint_write_threads >= 1, f"'trainer.checkpoint_write_threads' must be >= 1, got {t.checkpoint_write_threads}")
     _require(t.collective_timeout_s > 0, "'trainer.collective_timeout_s' must be > 0")
     _require(r.gather_timeout_s > 0, f"'rollout.gather_timeout_s' must be > 0, got {r.gather_timeout_s}")
+    _require(r.liveness_window_s >= 1, f"'rollout.liveness_window_s' must be >= 1 (seconds), got {r.liveness_window_s}")
     _require(
         t.gen_batch_size >= t.train_batch_size,
         f"'trainer.gen_batch_size'={t.gen_batch_size} is smaller than 'trainer.train_batch_size'="

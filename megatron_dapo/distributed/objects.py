@@ -9,7 +9,9 @@ timeout set by `init_distributed`, so a rank that never arrives fails the job in
 
 Gathers that follow independent generation (`gather_from_leaders`, `tensor_gather`) meet on the
 gather group (`meeting_group()`: gloo, `rollout.gather_timeout_s`) instead: there a rank may wait
-for another replica's engine far longer than `trainer.collective_timeout_s`. `any_rank` stays on
+for another replica's engine far longer than `trainer.collective_timeout_s`. They first wait for
+every rank's arrival in the job's store (`liveness.await_ranks`): a rank that is gone ends that wait
+within the liveness window, not after the gather group's timeout. `any_rank` stays on
 the default group; call it where ranks are in step (right after such a gather), never as the first
 collective after generating.
 """
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_dapo.distributed import liveness
 from megatron_dapo.distributed.setup import gather_group
 
 
@@ -62,6 +65,14 @@ def meeting_group(explicit: Optional[Any] = None) -> Optional[Any]:
     return gather_group()
 
 
+def await_everyone(what: str, meet_on: Optional[Any] = None) -> None:
+    """Before a collective on the gather group: wait until every rank has arrived, or fail as soon as
+    one stops beating (`liveness.await_ranks`). Nothing when the meeting is on an `explicit` group
+    (`meeting_group`) or without a beat (torch.distributed not set up by `init_distributed`)."""
+    if meet_on is None and _initialised():
+        liveness.await_ranks(range(dist.get_world_size()), "gather", what=what)
+
+
 def gather_from_leaders(payload: Any, meet_on: Optional[Any] = None) -> list[Any]:
     """Every rank gets the leaders' payloads ordered by data-parallel rank (world collective).
 
@@ -72,6 +83,7 @@ def gather_from_leaders(payload: Any, meet_on: Optional[Any] = None) -> list[Any
     mine = (dp_rank, payload) if is_replica_leader() else None
     if not _initialised():
         return [payload]
+    await_everyone("gathering the replica leaders' results", meet_on)
     gathered: list[Optional[tuple[int, Any]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine, group=meeting_group(meet_on))
     by_replica = {entry[0]: entry[1] for entry in gathered if entry is not None}

@@ -22,6 +22,14 @@ meet on the *gather group* (`gather_group()`), a gloo group over the whole world
 timeout (`rollout.gather_timeout_s`), and only then move tensors over the default group (NCCL on
 GPUs), where nobody waits long any more. Gloo groups are not watched by NCCL's watchdog
 (`TORCH_NCCL_ASYNC_ERROR_HANDLING`): their timeout is the only limit, raised in the waiting call.
+
+Liveness. A fixed timeout sized for a long generation batch would also keep everyone waiting that
+long for a rank whose node is gone. So every rank beats in the job's store from `init_distributed`
+to `teardown` (`liveness`), and the long waits (the gathers after generating, the replica's meeting
+around the engine's start, sleep and wake) first wait for every rank's arrival in the store: a rank
+that stops beating ends the wait within about 1.5 x `rollout.liveness_window_s`; one that beats is
+waited for as long as it takes, up to `rollout.gather_timeout_s` (a rank alive but stuck). Only then
+do the ranks enter the gather group's collectives, where everyone is already there.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_dapo.compat.versions import require
+from megatron_dapo.distributed import liveness
 from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
 from megatron_dapo.distributed.launch import LaunchEnv, find_free_port, resolve_launch_env
 from megatron_dapo.distributed.layout import ParallelLayout
@@ -126,7 +135,8 @@ def init_distributed(
     code is resolved against the launch's world size here). The context's `layout` is the resolved
     one: every later step takes its sizes from it.
     `timeout_s` bounds every collective (a rank that never arrives fails the job instead of hanging),
-    except on the gather group (`gather_group()`), which is created here with `gather_timeout_s`.
+    except on the gather group (`gather_group()`), which is created here with `gather_timeout_s`,
+    the bound on a wait for a live rank (`liveness`, whose beat starts here).
     Seeds Python, NumPy and torch with `seed + 100 * pp_rank` (Megatron's convention) and Megatron's
     tensor-parallel RNG tracker.
     """
@@ -172,6 +182,8 @@ def init_distributed(
         )
 
     _make_gather_group(gather_timeout_s)
+    liveness.configure(limit_s=gather_timeout_s)
+    liveness.start_beating()  # before any rank can wait for this one
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -207,7 +219,9 @@ def teardown(keep_process_group: bool = False) -> None:
     except ImportError:
         pass
     if dist.is_initialized() and not keep_process_group:
+        liveness.stop_beating()  # its store goes with the default group
         dist.destroy_process_group()  # every group, the gather group included
         _forget_gather_group()
     elif not dist.is_initialized():
+        liveness.stop_beating()
         _forget_gather_group()

@@ -9,10 +9,12 @@ fields (uid, score, prediction, ...) still travel as one pickled header, next to
 `share_from_contributors` is a world collective: every rank calls it, contributors with a header
 and a 1-D tensor, the others with None. It runs in two phases:
 
-1. meet: the headers are all-gathered on the gather group (`distributed.setup.gather_group`, gloo,
-   timeout `rollout.gather_timeout_s`). Ranks arrive here as their engines finish, possibly minutes
-   apart, so this is the only wait for someone else's generation, and it happens outside the default
-   group's (NCCL's) timeout and watchdog;
+1. meet: every rank waits for the others' arrival in the job's store (`liveness.await_ranks`: a
+   rank that is gone ends the wait within the liveness window, a live one is waited for as long as
+   it takes), then the headers are all-gathered on the gather group (`distributed.setup.
+   gather_group`, gloo, timeout `rollout.gather_timeout_s`). Ranks arrive here as their engines
+   finish, possibly minutes apart, so this is the only wait for someone else's generation, and it
+   happens outside the default group's (NCCL's) timeout and watchdog;
 2. move: each contributor's buffer is broadcast from its rank over the default group (one broadcast
    per contributor, so bytes on the wire equal the bytes produced, whatever the world size), on the
    GPU under NCCL. Every rank has already met, so nobody waits long inside these calls.
@@ -25,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.distributed.objects import meeting_group
+from megatron_dapo.distributed.objects import await_everyone, meeting_group
 
 
 def _initialised() -> bool:
@@ -64,8 +66,9 @@ def share_from_contributors(
             return []
         return [(header, payload.cpu())]
     mine = None if order_key is None else (int(order_key), header, int(payload.numel()), payload.dtype)
+    await_everyone("gathering the generation results", meet_on)  # the wait for slow engines
     entries: list[Optional[tuple]] = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, mine, group=meeting_group(meet_on))  # the wait for slow engines
+    dist.all_gather_object(entries, mine, group=meeting_group(meet_on))
     contributors = sorted((entry[0], rank, entry) for rank, entry in enumerate(entries) if entry is not None)
     keys = [key for key, _, _ in contributors]
     if len(set(keys)) != len(keys):

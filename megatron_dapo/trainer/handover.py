@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_dapo.actor.offload import ActorOffload, OffloadStats
 from megatron_dapo.config import Config
+from megatron_dapo.distributed import liveness
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.placement import replica_groups
 from megatron_dapo.rollout.group import RolloutGroup
@@ -51,8 +52,11 @@ def handover_groups(layout: ParallelLayout, engine: str) -> list[list[int]]:
 class ReplicaBarrier:
     """The meeting of this rank's replica around engine sleeps and wakes (a no-op where none is needed).
 
-    A gloo group per replica (`handover_groups`): the wait is on the host, outside NCCL's watchdog,
-    and touches no GPU memory while the engine may still hold it."""
+    The wait is on the host, outside NCCL's watchdog, and touches no GPU memory while the engine may
+    still hold it: in the job's store (`liveness.await_ranks`), so that the replica waits for its
+    leader's engine start (minutes) as long as the leader beats, and stops within the liveness window
+    if it is gone; a gloo group per replica (`handover_groups`) where no beat runs (torch.distributed
+    not set up by `init_distributed`)."""
 
     def __init__(self, group: Optional[Any] = None, ranks: Sequence[int] = ()) -> None:
         self.group, self.ranks = group, tuple(ranks)
@@ -71,9 +75,13 @@ class ReplicaBarrier:
                 mine = cls(group, ranks)
         return mine
 
-    def wait(self) -> None:
+    def wait(self, what: str = "the replica's meeting around its engine") -> None:
         """Return once every rank of this replica has called it."""
-        if self.group is not None:
+        if self.group is None:
+            return
+        if liveness.beating():
+            liveness.await_ranks(self.ranks, f"replica{self.ranks[0]}", what=what)
+        else:
             dist.barrier(group=self.group)
 
 
@@ -91,7 +99,7 @@ class GpuHandover:
     def to_actor(self, timer=None) -> OffloadStats:
         """The engine sleeps, then the actor's offloaded state comes back. Returns the onload's figures."""
         self.rollout.sleep()
-        self.barrier.wait()  # the engine's memory is free on every GPU of the replica
+        self.barrier.wait("waiting for the leader's engine to sleep")  # its memory is free on every GPU
         with _phase(timer, Phase.ONLOAD, self.offload.enabled):
             return self.offload.onload()
 
@@ -154,11 +162,11 @@ def start_engine(
     Returns the hand-over and the first push's figures."""
     barrier = ReplicaBarrier.create(layout, cfg.rollout.engine, cfg.rollout.gather_timeout_s)
     offload.offload()
-    barrier.wait()  # the engine starts (and sizes its pool) once every rank of the replica is away
+    barrier.wait("waiting for the replica's actor state to leave the GPUs")  # then the engine starts and sizes its pool
     rollout = RolloutGroup.create(cfg, layout, cfg.model.hf_dir, device)
     if offload.enabled:
         rollout.sleep()
-        barrier.wait()
+        barrier.wait("waiting for the leader's engine to start")
         offload.onload("params")
     handover = GpuHandover(actor, offload, rollout, hf_config, cfg.rollout.weight_sync_bucket_mb, barrier)
     first_push, _ = handover.to_engine()

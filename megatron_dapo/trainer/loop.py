@@ -35,6 +35,7 @@ from megatron_dapo.algorithm.advantage import grpo_advantages
 from megatron_dapo.algorithm.mismatch import log_prob_mismatch
 from megatron_dapo.config import Config, engine_returns_routing
 from megatron_dapo.data.sampler import shard_for_rank
+from megatron_dapo.distributed import liveness
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size, gather_from_leaders, is_logging_rank, meeting_group
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.setup import teardown
@@ -81,6 +82,7 @@ class DAPOTrainer:
         self.checkpoint_root = checkpoints_dir(runtime.output_dir)
         resumed = self._resume() if resume else False
         self.logger = open_metrics_logger(cfg, runtime.output_dir, enabled=self.rank0, resume_step=self.step if resumed else None)
+        liveness.configure(window_s=cfg.rollout.liveness_window_s, limit_s=cfg.rollout.gather_timeout_s)
         self.handover, first_push = start_engine(cfg, runtime.ctx.layout, self.actor, self.offload, runtime.hf_config, runtime.ctx.device)
         self.rollout = self.handover.rollout
         self.say_rank0(

@@ -94,7 +94,7 @@ def main(log: str, barrier: bool = True) -> None:
 
     handover.RolloutGroup.create = classmethod(create)
     if not barrier:  # the control: the hand-over as it was, without the replica's meetings
-        handover.ReplicaBarrier.wait = lambda self: None
+        handover.ReplicaBarrier.wait = lambda self, *args: None
     cfg = SimpleNamespace(
         model=SimpleNamespace(hf_dir="unused"),
         rollout=SimpleNamespace(engine="vllm", gather_timeout_s=120.0, weight_sync_bucket_mb=1.0),

@@ -1,0 +1,131 @@
+"""Waits that end when the awaited rank arrives or dies, not after a fixed timeout (issue 26, item 5).
+
+In one process, over an in-memory store: this rank (0) waits in `liveness.await_ranks` for rank 1,
+played by a thread that beats (or stops beating) and arrives when the case says. The pure parts
+(`BeatWatch`, the poll schedule) first. The same through real processes and the trainer's gather:
+test_liveness_gather.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron_dapo.distributed import liveness
+
+WINDOW_S = 1.0
+
+
+def test_a_rank_is_silent_once_its_beat_has_not_moved_for_the_window():
+    watch = liveness.BeatWatch(window_s=10.0)
+    assert watch.update({1: 5, 2: None}, now=0.0) == []  # first readings count as changes
+    assert watch.update({1: 6, 2: None}, now=8.0) == []
+    assert watch.update({1: 6, 2: None}, now=10.5) == [2]  # rank 2 never beat in 10.5 s
+    assert watch.update({1: 6, 2: 1}, now=18.5) == [1]  # rank 1 stuck at 6 since t=8; rank 2 beat
+    assert watch.update({1: 7, 2: 1}, now=19.0) == []
+
+
+def test_polls_start_fast_and_settle():
+    assert liveness.poll_interval(0.0) < 0.002
+    assert liveness.poll_interval(10.0) == liveness.MAX_POLL_S
+    assert liveness.beat_interval(60) == 10 and liveness.check_interval(60) == 15
+
+
+def test_configure_checks_its_values():
+    with pytest.raises(ValueError, match="rollout.liveness_window_s"):
+        liveness.configure(window_s=0)
+
+
+@pytest.fixture
+def job():
+    """This process as rank 0 of a two-rank job on an in-memory store; the store for rank 1's thread."""
+    saved = liveness.settings().window_s, liveness.settings().limit_s
+    liveness.configure(window_s=WINDOW_S, limit_s=600)
+    store = dist.HashStore()
+    assert liveness.start_beating(store, rank=0)
+    yield store
+    liveness.stop_beating()
+    liveness.configure(*saved)
+
+
+def _rank1(store, *, beats_for_s: float, arrives_after_s: float | None) -> threading.Thread:
+    """Rank 1: beats like `_Heart` for `beats_for_s`, then falls silent; arrives at the meeting after
+    `arrives_after_s` (None: never)."""
+
+    def run():
+        started = time.monotonic()
+        arrived = False
+        while True:
+            elapsed = time.monotonic() - started
+            if elapsed < beats_for_s:
+                store.add("beat/1", 1)
+            if arrives_after_s is not None and not arrived and elapsed >= arrives_after_s:
+                store.append("arrived/gather/0", "1,")
+                store.add("count/gather/0", 1)
+                arrived = True
+            if elapsed > max(beats_for_s, arrives_after_s or 0) + 1:
+                return
+            time.sleep(liveness.beat_interval(WINDOW_S))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(job):
+    _rank1(job, beats_for_s=0.5, arrives_after_s=None)  # dies half a second into the wait
+    started = time.monotonic()
+    with pytest.raises(liveness.RankUnresponsive, match=r"rank\(s\) \[1\] stopped beating"):
+        liveness.await_ranks([0, 1], "gather", what="the test's gather")
+    waited = time.monotonic() - started
+    assert waited < 0.5 + 2 * WINDOW_S, waited  # ~1.5 windows after its last beat, not an hour
+
+
+def test_a_rank_that_beats_is_waited_for_beyond_the_window(job):
+    _rank1(job, beats_for_s=10, arrives_after_s=4 * WINDOW_S)  # slow, alive
+    waited = liveness.await_ranks([0, 1], "gather")
+    assert 4 * WINDOW_S - 0.5 < waited < 4 * WINDOW_S + 2, waited
+
+
+def test_a_store_that_stops_answering_ends_the_wait_within_the_window(job):
+    """The store's own host is gone (rank 0's node under SLURM): its calls hang, the wait does not."""
+
+    class Frozen:
+        def __getattr__(self, name):
+            def hang(*args):
+                time.sleep(3600)
+
+            return hang
+
+    liveness._heart.waits = liveness._BoundedStore(Frozen())
+    started = time.monotonic()
+    with pytest.raises(liveness.RankUnresponsive, match="the job's store"):
+        liveness.await_ranks([0, 1], "gather")
+    assert time.monotonic() - started < 2 * WINDOW_S
+
+
+def test_a_live_rank_that_never_arrives_ends_at_the_limit(job):
+    liveness.configure(limit_s=2 * WINDOW_S)
+    _rank1(job, beats_for_s=10, arrives_after_s=None)
+    with pytest.raises(TimeoutError, match=r"rollout.gather_timeout_s=2 s"):
+        liveness.await_ranks([0, 1], "gather")
+
+
+def test_a_new_window_takes_effect_at_once():
+    """The trainer sets its window after `init_distributed` started the beat with the default one:
+    the beat must not sleep out the old interval (10 s) meanwhile."""
+    saved = liveness.settings().window_s, liveness.settings().limit_s
+    store = dist.HashStore()
+    try:
+        liveness.configure(window_s=60)
+        assert liveness.start_beating(store, rank=0)
+        first = store.add("beat/0", 0)
+        liveness.configure(window_s=1.0)
+        time.sleep(0.6)
+        assert store.add("beat/0", 0) > first
+    finally:
+        liveness.stop_beating()
+        liveness.configure(*saved)
