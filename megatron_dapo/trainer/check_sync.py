@@ -106,6 +106,9 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
         args.hf_dir,
         tensor_parallel_size=engine_tp(args),
         placement=args.placement,
+        # The check samples (--update step) and counts stale tensors before the push: real weights, not
+        # the dummy ones an spmd engine of the trainer starts on.
+        load_checkpoint=True,
         dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.prompt_length + args.max_new_tokens + 8,
