@@ -25,6 +25,14 @@ that is the one gone, store calls hang rather than fail (a TCP peer that vanishe
 the waiting rank makes each call through a helper thread and gives up after `window_s` too
 (`RankUnresponsive`, naming the store).
 
+A meeting can also be called off (`call_off`, e.g. on SIGTERM: the trainer then leaves a
+generation batch at once instead of finishing it): its outcome is one store key, set once, either
+"done" by a rank that sees every rank arrived or "off" by a rank that calls it off first, so every
+rank of the meeting takes the same way out (`MeetingCalledOff`, or on as usual). Only meetings
+waited for inside `calling_off_when(predicate)` call themselves off (when `predicate()` turns true);
+a rank elsewhere can call off the next one with `call_off` (the trainer's SIGTERM handler, while its
+rank generates).
+
 `window_s` is `rollout.liveness_window_s` (`configure`). The cost: one store operation per poll per
 waiting rank, and, per check, one per rank not yet arrived (the engine leaders, typically); every
 rank writes one counter every `window_s / 6` seconds. The data itself still moves in collectives,
@@ -33,11 +41,12 @@ once every rank is known to be there.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -52,6 +61,17 @@ _PREFIX = "mdapo_liveness/"
 
 class RankUnresponsive(RuntimeError):
     """A rank that others wait for stopped beating (its process or node is gone)."""
+
+
+class MeetingCalledOff(RuntimeError):
+    """The meeting was called off before it completed (`call_off`): every rank of it gets this."""
+
+
+GATHER = "gather"
+"""The stream of the world's meetings before the gathers after generating (`objects.await_everyone`)."""
+
+CALLED_OFF = 1 << 30
+"""Added to a meeting's arrival count when it is called off: the waiting ranks see it at their next poll."""
 
 
 @dataclass
@@ -189,6 +209,34 @@ class _Heart:
 
 _heart: Optional[_Heart] = None
 _meetings: dict[str, int] = {}
+_waiting_in: dict[str, int] = {}  # stream -> the meeting this rank waits in now
+_call_off_when: Optional[Callable[[], bool]] = None
+
+
+@contextlib.contextmanager
+def calling_off_when(predicate: Callable[[], bool]) -> Iterator[None]:
+    """While the body runs, a meeting this rank waits in is called off as soon as `predicate()` is
+    true (checked at every poll; `predicate` must be cheap)."""
+    global _call_off_when
+    previous, _call_off_when = _call_off_when, predicate
+    try:
+        yield
+    finally:
+        _call_off_when = previous
+
+
+def call_off(stream: str) -> bool:
+    """Call off `stream`'s meeting this rank waits in, or else its next one. True when that meeting
+    is off (now or already), False when it had completed (every rank arrived first) or without a
+    beat. Safe in a signal handler of the main thread (the store calls go through a helper thread)."""
+    if _heart is None:
+        return False
+    n = _waiting_in.get(stream, _meetings.get(stream, 0))
+    outcome = _heart.waits.call(_settings.window_s, "compare_set", f"outcome/{stream}/{n}", "", "off")
+    if outcome != b"off":
+        return False
+    _heart.waits.call(_settings.window_s, "add", f"count/{stream}/{n}", CALLED_OFF)  # wakes the waiters
+    return True
 
 
 def start_beating(store: Optional[Any] = None, rank: Optional[int] = None) -> bool:
@@ -246,15 +294,35 @@ def await_ranks(
     n = _meetings.get(stream, 0)
     _meetings[stream] = n + 1
     count_key, arrived_key = f"count/{stream}/{n}", f"arrived/{stream}/{n}"
+    outcome_key = f"outcome/{stream}/{n}"
     if me == ranks[0] and n >= 2:  # every rank has left meeting n - 2 once any has reached n
-        for old in (f"count/{stream}/{n - 2}", f"arrived/{stream}/{n - 2}"):
+        for old in (f"count/{stream}/{n - 2}", f"arrived/{stream}/{n - 2}", f"outcome/{stream}/{n - 2}"):
             store("delete_key", old)
-    store("append", arrived_key, f"{me},")
-    arrived = store("add", count_key, 1)
+    _waiting_in[stream] = n
+    try:
+        store("append", arrived_key, f"{me},")
+        arrived = store("add", count_key, 1)
+        waited = _wait(store, ranks, stream, count_key, arrived_key, arrived, what, clock, sleep)
+    finally:
+        _waiting_in.pop(stream, None)
+    # Every rank is there, or the meeting was called off: one outcome for all (the first to set it).
+    if store("compare_set", outcome_key, "", "done") == b"off":
+        raise MeetingCalledOff(f"{what or stream}: called off (a rank was asked to stop) after {waited:.1f} s")
+    return waited
+
+
+def _wait(
+    store: Callable[..., Any], ranks: list[int], stream: str, count_key: str, arrived_key: str, arrived: int,
+    what: str, clock: Callable[[], float], sleep: Callable[[float], None],
+) -> float:  # fmt: skip
+    """`await_ranks`'s polling until the arrival count reaches len(ranks) (or the meeting is called off)."""
+    me, window = _heart.rank, _settings.window_s
     watch = BeatWatch(window)
     started = clock()
     next_check = started + check_interval(window)
     while arrived < len(ranks):
+        if _call_off_when is not None and _call_off_when():
+            call_off(stream)  # the count jumps past len(ranks): the next poll ends the wait
         now = clock()
         waited = now - started
         if waited > _settings.limit_s:

@@ -70,7 +70,7 @@ def await_everyone(what: str, meet_on: Optional[Any] = None) -> None:
     one stops beating (`liveness.await_ranks`). Nothing when the meeting is on an `explicit` group
     (`meeting_group`) or without a beat (torch.distributed not set up by `init_distributed`)."""
     if meet_on is None and _initialised():
-        liveness.await_ranks(range(dist.get_world_size()), "gather", what=what)
+        liveness.await_ranks(range(dist.get_world_size()), liveness.GATHER, what=what)
 
 
 def gather_from_leaders(payload: Any, meet_on: Optional[Any] = None) -> list[Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from functools import reduce
 from pathlib import Path
 from typing import Optional
@@ -125,7 +126,11 @@ class DAPOTrainer:
         # 1. Generate and score until train_batch_size prompt groups with mixed accuracy are kept.
         with timer.phase(Phase.GEN):
             while not self.buffer.is_full:  # `take` empties the buffer: every step generates at least once
-                samples = self._generate_batch(len(generated))
+                try:
+                    with self._call_off_on_sigterm():
+                        samples = self._generate_batch(len(generated))
+                except liveness.MeetingCalledOff:
+                    self._exit_called_off(start)
                 self._stop_before_update_if_asked(start)  # after the gather: every rank is here
                 generated.append(samples)
                 metric = filter_metric(samples, cfg.algorithm.filter_groups.metric)
@@ -177,9 +182,13 @@ class DAPOTrainer:
             stop=tuple(r.stop), seed=generation_seed(r.seed, self.step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
             return_routed_experts=self.engine_routing,
         )  # fmt: skip
+        # In the leader placement an engine's generate holds no collective with other ranks: a SIGTERM
+        # may abandon it (spmd engines' ranks generate together: they finish the batch).
+        interruptible = self._may_call_off() and self.rollout.placement == "leader"
         local = generate_and_score(
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,
             uid_prefix=f"s{self.step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype,
+            during_generate=self.sigterm.interruptible if interruptible else nullcontext,
         )  # fmt: skip
         return gather_samples(local, order_key=share, routing_store=self.routing_store)
 
@@ -251,6 +260,30 @@ class DAPOTrainer:
         self.step -= 1
         start.restore(self.sampler)
         self._exit_preempted(f"SIGTERM during step {interrupted}, before its update: checkpoint of step {self.step} written")
+
+    def _may_call_off(self) -> bool:
+        """Whether a SIGTERM may call off this step's generation: only when the step's start is on
+        disk already (the previous step was saved), so that leaving at once loses nothing. The same on
+        every rank."""
+        return self._last_saved_step is not None and self._last_saved_step == self.step - 1
+
+    def _call_off_on_sigterm(self):
+        """Around a generation batch: the meetings after it are called off on SIGTERM (`_may_call_off`)."""
+        return liveness.calling_off_when(lambda: self.sigterm.received) if self._may_call_off() else nullcontext()
+
+    def _exit_called_off(self, start: StepStart) -> None:
+        """The generation batch was called off on SIGTERM (every rank is here): the checkpoint of the
+        previous step, written before this step began, is the resume point; put the prompt sampler
+        and the RNGs back to the step's start (as saved) and exit with 143 without another save."""
+        interrupted = self.step
+        self.step -= 1
+        start.restore(self.sampler)
+        since = self.sigterm.seconds_since()
+        self.say_rank0(
+            f"SIGTERM during step {interrupted}'s generation: called off at once; the checkpoint of step {self.step} "
+            f"(written before it) is where --resume continues" + ("" if since is None else f" ({since:.1f} s after the SIGTERM)")
+        )
+        raise TrainingInterrupted(EXIT_PREEMPTED)
 
     def _exit_preempted(self, what: str) -> None:
         """Save the current state (unless saved already) without the engine, say so, exit with 143 (every rank)."""

@@ -9,11 +9,17 @@ of its results), before the update, and after the step.
   run redoes the step with the same prompts and seeds.
 * After the step the step is finished (weight sync, metrics) and saved.
 
+* During generation, when the step's start is on disk already (the previous step was saved), the
+  ranks do not finish the generation batch: it is called off at once (`SigtermFlag.interruptible`
+  around an engine's generate in the leader placement, `liveness.calling_off_when` around the
+  meetings after it) and every rank leaves with that checkpoint as the resume point. The ranks agree
+  through the store: the gather meeting's outcome is either "off" or "done", set once for all.
+
 Either way the process exits with code 143 (`TrainingInterrupted`). The exit save needs no
 engine (`GpuHandover.actor_for_exit`: it never gives the GPU back), and the engine's own processes
-never see the SIGTERM (`process_state.sigterm_ignored_by_new_processes`), so a generation batch in
-flight ends normally. The time from SIGTERM to exit is therefore at most what is left of the
-current generation batch (or of the update, weight sync and validation) plus one checkpoint write:
+never see the SIGTERM (`process_state.sigterm_ignored_by_new_processes`). The time from SIGTERM to
+exit is therefore seconds during generation (with the step's start saved), else what is left of the
+current generation batch or of the update, weight sync and validation, plus one checkpoint write:
 the lead time of `#SBATCH --signal=TERM@N` must cover it (slurm/README.md).
 """
 
@@ -21,10 +27,12 @@ from __future__ import annotations
 
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_dapo.distributed import liveness
 from megatron_dapo.distributed.objects import any_rank
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was asked to stop and left a checkpoint
@@ -42,6 +50,7 @@ class SigtermFlag:
         self.received_at: Optional[float] = None
         """`time.monotonic()` at the first SIGTERM (None before one)."""
         self._previous = None
+        self._interruptible = False
 
     def __enter__(self) -> "SigtermFlag":
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
@@ -54,6 +63,27 @@ class SigtermFlag:
         if not self.received:
             self.received_at = time.monotonic()
         self.received = True
+        if self._interruptible:
+            self._leave_generation()
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """The body may be left at once on SIGTERM (now or already received): the gather meeting
+        that follows is called off for every rank (`liveness.call_off`) and `MeetingCalledOff` is
+        raised here. Only around what holds no collective with other ranks and may be abandoned: an
+        engine's `generate` on the leader (its processes, or the embedded engine, are its own)."""
+        if self.received:
+            self._leave_generation()
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def _leave_generation(self) -> None:
+        if liveness.call_off(liveness.GATHER):  # False: the meeting completed, finish as usual
+            self._interruptible = False
+            raise liveness.MeetingCalledOff("SIGTERM while generating: this generation batch is called off")
 
     def seconds_since(self) -> Optional[float]:
         """Seconds since this process's SIGTERM (None where another rank's made the run stop)."""

@@ -13,9 +13,10 @@ prompt of a group once rather than n times; only the small per-sample fields are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,18 +110,21 @@ def generate_and_score(
     validating: bool = False,
     apply_overlong: bool = True,
     routing_dtype: torch.dtype = torch.int32,
+    during_generate: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> Optional[Samples]:
     """Generate `params.n` responses per example and score them where `rollout.is_leader`; None elsewhere.
 
     `examples` are `data.PromptExample`s (prompt ids, ground truth, data source, extra info); the uid
     of example i is ``f"{uid_prefix}{i}"``. Routed experts, when the engine returns them, are kept
     in host memory as `routing_dtype` (`actor.routing.routing_dtype` of the model: 1 byte an entry
-    up to 128 experts).
+    up to 128 experts). `during_generate()` is entered around the engine's generate (the trainer's
+    `SigtermFlag.interruptible`, where a SIGTERM may abandon it).
     """
     if not examples:
         return Samples.concat([]) if rollout.is_leader else None
     # Every rank calls generate: in the spmd placement all ranks of an engine generate together.
-    out = rollout.generate([ex.prompt_ids for ex in examples], params)
+    with during_generate():
+        out = rollout.generate([ex.prompt_ids for ex in examples], params)
     if out is None:
         return None
     owners = [examples[i] for i in out.prompt_index]

@@ -129,3 +129,41 @@ def test_a_new_window_takes_effect_at_once():
     finally:
         liveness.stop_beating()
         liveness.configure(*saved)
+
+
+def _arrive_as_rank1(store, n: int = 0) -> None:
+    store.append(f"arrived/gather/{n}", "1,")
+    store.add(f"count/gather/{n}", 1)
+
+
+def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(job):
+    """This rank is told to stop while it waits (its SIGTERM, `calling_off_when`): the wait ends at
+    the next poll, and rank 1, arriving later, finds the same outcome."""
+    asked = []
+    threading.Timer(0.5, lambda: asked.append(True)).start()
+    started = time.monotonic()
+    with liveness.calling_off_when(lambda: bool(asked)), pytest.raises(liveness.MeetingCalledOff):
+        liveness.await_ranks([0, 1], "gather")
+    assert time.monotonic() - started < 1.5
+    _arrive_as_rank1(job)
+    assert job.compare_set("outcome/gather/0", "", "done") == b"off"  # what rank 1's wait ends with
+
+
+def test_another_rank_calling_off_ends_this_ones_wait(job):
+    def rank1_calls_off():
+        time.sleep(0.5)  # rank 1's SIGTERM handler, while its engine generates (`liveness.call_off`)
+        assert job.compare_set("outcome/gather/0", "", "off") == b"off"
+        job.add("count/gather/0", liveness.CALLED_OFF)
+
+    threading.Thread(target=rank1_calls_off, daemon=True).start()
+    with pytest.raises(liveness.MeetingCalledOff):
+        liveness.await_ranks([0, 1], "gather")
+
+
+def test_a_meeting_that_completed_cannot_be_called_off(job):
+    _arrive_as_rank1(job)
+    assert liveness.await_ranks([0, 1], "gather") >= 0  # both there: done
+    assert job.compare_set("outcome/gather/0", "", "off") == b"done"  # a late call-off finds it done
+    # This rank's own call-off now targets its next meeting, not the finished one.
+    assert liveness.call_off("gather") is True
+    assert job.get("outcome/gather/1") == b"off"
