@@ -167,7 +167,8 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Extra stop strings besides the tokenizer's EOS."""
     tp: int = 1
-    """Tensor-parallel size of each rollout engine (must divide the world size)."""
+    """Tensor-parallel size of each rollout engine (must divide the world size; separate placement:
+    rollout.num_gpus)."""
     gpu_memory_utilization: float = 0.6
     return_routed_experts: bool = False
     """Mixture-of-experts models: have vLLM / SGLang return the experts of every token even when
@@ -190,8 +191,14 @@ class RolloutConfig:
     """Where engines run. "spmd": every rank holds its shard of one engine per rollout-TP group of
     rollout.tp consecutive ranks (vLLM's external_launcher), and the groups split the prompts
     (vLLM only). "leader": one engine per data-parallel replica on its first rank, which spawns
-    rollout.tp workers on its node while the replica's other ranks wait. "auto": spmd for vLLM,
-    leader for the embedded engine and SGLang."""
+    rollout.tp workers on its node while the replica's other ranks wait. "separate": the engines
+    run on ranks of their own (rollout.num_gpus, the last ranks of the launch; every engine), the
+    trainer on the rest; the weights travel to them after every update (`distributed/bridge.py`).
+    "auto": spmd for vLLM, leader for the embedded engine and SGLang."""
+    num_gpus: int = 0
+    """rollout.placement=separate: how many ranks of the launch hold the engines (GPUs on a cluster,
+    processes on a CPU), rollout.tp per engine; the launch is the trainer's ranks plus these. 0 with
+    the colocated placements."""
     sleep_level: int = 1
     """How deeply a GPU engine sleeps during training (rollout.free_cache_engine): 1 frees the KV
     cache and keeps the weights in host memory, 2 frees the weights too (less host memory; the

@@ -41,6 +41,7 @@ __all__ = [
     "check_expert_dispatcher",
     "check_model_shape",
     "check_moe_sequence_parallel",
+    "check_rollout_pool",
     "check_rollout_tp",
     "check_sizes",
     "check_world_size",
@@ -60,16 +61,18 @@ class PlacementError(InputError, ValueError):
     """A rollout placement the engine or the GPUs cannot hold; the message names the keys to change."""
 
 
-Placement = Literal["auto", "spmd", "leader"]
+Placement = Literal["auto", "spmd", "leader", "separate"]
 """`rollout.placement` (config.py types the key with it: the one list of values)."""
 PLACEMENT_CHOICES = get_args(Placement)
+RESOLVED_PLACEMENTS = ("leader", "spmd", "separate")
 SPMD_ENGINES = ("vllm",)
 """Engines that run SPMD inside the trainer's ranks (vLLM's external launcher)."""
 
 
 def resolve_placement(requested: str, engine: str) -> str:
-    """The placement "spmd" or "leader" that `rollout.placement=requested` means for `rollout.engine=engine`:
-    "auto" is spmd for vLLM (the only engine here that runs SPMD) and leader for the others."""
+    """The placement "spmd", "leader" or "separate" that `rollout.placement=requested` means for
+    `rollout.engine=engine`: "auto" is spmd for vLLM (the only engine here that runs SPMD) and leader
+    for the others; "separate" (engines on ranks of their own, `rollout.num_gpus`) takes every engine."""
     if requested not in PLACEMENT_CHOICES:
         raise PlacementError(f"unknown rollout.placement {requested!r}; use one of {', '.join(PLACEMENT_CHOICES)}")
     if requested == "auto":
@@ -172,6 +175,29 @@ def check_world_size(world_size: int, tp: int, pp: int, cp: int) -> int:
         f"or change 'parallel.tp' / 'parallel.pp' / 'parallel.cp' (their product must be in {_set(divisors(world_size))})",
     )
     return world_size // model_parallel
+
+
+def check_rollout_pool(launch_world: int, rollout_ranks: int, rollout_tp: int) -> int:
+    """The separate placement's split of a launch of `launch_world` processes: the last `rollout_ranks`
+    (`rollout.num_gpus`) hold the engines, `rollout.tp` ranks each, the rest train. Returns the
+    trainer's world size."""
+    _positive("rollout.tp", rollout_tp)
+    _check_world_positive(launch_world)
+    _require(
+        isinstance(rollout_ranks, int) and not isinstance(rollout_ranks, bool) and rollout_ranks >= 1,
+        f"'rollout.placement'=separate needs 'rollout.num_gpus' >= 1 (the ranks that hold the engines), got {rollout_ranks!r}",
+    )
+    _require(
+        rollout_ranks % rollout_tp == 0,
+        f"'rollout.num_gpus'={rollout_ranks} is not a whole number of engines of 'rollout.tp'={rollout_tp} ranks: "
+        f"use rollout.num_gpus in {{{rollout_tp}, {2 * rollout_tp}, ...}} or rollout.tp in {_set(divisors(rollout_ranks))}",
+    )
+    _require(
+        launch_world > rollout_ranks,
+        f"'rollout.num_gpus'={rollout_ranks} leaves no rank to train on in a launch of {launch_world} process(es): "
+        f"launch more than {rollout_ranks} processes (the trainer's ranks come first, the engines' last)",
+    )
+    return launch_world - rollout_ranks
 
 
 def check_rollout_tp(world_size: int, rollout_tp: int) -> None:
@@ -365,7 +391,11 @@ class ParallelLayout:
     ep: int = field(default=1, kw_only=True)
     rollout_tp: int = field(default=1, kw_only=True)
     placement: str = field(default="leader", kw_only=True)
-    """Resolved rollout placement: "leader" or "spmd" (`resolve_placement`)."""
+    """Resolved rollout placement: "leader", "spmd" or "separate" (`resolve_placement`)."""
+    rollout_ranks: int = field(default=0, kw_only=True)
+    """Ranks of their own for the engines (the separate placement's `rollout.num_gpus`; 0 otherwise).
+    They come after the trainer's ranks: `world_size` counts the trainer's ranks alone (Megatron's
+    world), `launch_world` every process of the launch."""
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: Optional[int] = None) -> "ParallelLayout":
@@ -380,6 +410,7 @@ class ParallelLayout:
             ep=p.ep,
             rollout_tp=r.tp,
             placement=resolve_placement(r.placement, r.engine),
+            rollout_ranks=r.num_gpus,
         )
         if world_size is None:
             layout.validate()
@@ -425,16 +456,45 @@ class ParallelLayout:
 
     @property
     def rollout_engines(self) -> int:
-        """Engines generating independently: one per actor replica (leader) or per rollout-TP group (spmd)."""
+        """Engines generating independently: one per actor replica (leader), per rollout-TP group of
+        the world (spmd) or of the rollout ranks (separate)."""
+        if self.placement == "separate":
+            return self.rollout_ranks // self.rollout_tp
         return self._world() // self.rollout_tp if self.placement == "spmd" else self.dp
 
-    def resolve(self, world_size: int) -> "ParallelLayout":
-        """This layout for a launch of `world_size` processes, validated."""
-        if self.world_size is not None and self.world_size != world_size:
+    @property
+    def launch_world(self) -> int:
+        """Every process of the launch: the trainer's `world_size` plus the separate placement's rollout ranks."""
+        return self._world() + self.rollout_ranks
+
+    @property
+    def separate(self) -> bool:
+        return self.placement == "separate"
+
+    def role(self, launch_rank: int) -> str:
+        """"trainer" or "rollout": what the process of `launch_rank` runs (rollout: only in the separate
+        placement, the last `rollout_ranks` of the launch)."""
+        if not 0 <= launch_rank < self.launch_world:
+            raise ValueError(f"rank {launch_rank} outside a launch of {self.launch_world} processes")
+        return "trainer" if launch_rank < self.world_size else "rollout"
+
+    def engine_leaders(self) -> list[int]:
+        """Launch ranks that own an engine in the separate placement (the first of each group of
+        rollout.tp rollout ranks; the others lend the engine their GPUs)."""
+        if not self.separate:
+            raise ValueError("engine_leaders is the separate placement's: the colocated ones follow the actor's layout")
+        first = self._world()
+        return list(range(first, first + self.rollout_ranks, self.rollout_tp))
+
+    def resolve(self, launch_world: int) -> "ParallelLayout":
+        """This layout for a launch of `launch_world` processes, validated (separate placement: the
+        trainer's world is what the rollout ranks leave)."""
+        if self.world_size is not None and self.launch_world != launch_world:
             raise LayoutError(
-                f"this layout was made for {self.world_size} processes, the launch has {world_size}: "
+                f"this layout was made for {self.launch_world} processes, the launch has {launch_world}: "
                 "launch the number of processes the configuration was checked for"
             )
+        world_size = check_rollout_pool(launch_world, self.rollout_ranks, self.rollout_tp) if self.separate else launch_world
         resolved = dataclasses.replace(self, world_size=world_size)
         resolved.validate(world_size)
         return resolved
@@ -455,11 +515,19 @@ class ParallelLayout:
         checks once the HF config is read; `num_experts` 0 is a dense model, which needs ep=1).
         """
         check_sizes(self.tp, self.pp, self.cp, self.vpp, self.rollout_tp)
-        if self.placement not in ("leader", "spmd"):
-            raise PlacementError(f"a layout's placement is 'leader' or 'spmd' (resolve_placement), got {self.placement!r}")
+        if self.placement not in RESOLVED_PLACEMENTS:
+            raise PlacementError(f"a layout's placement is one of {', '.join(RESOLVED_PLACEMENTS)} (resolve_placement), got {self.placement!r}")
+        if self.separate:
+            check_rollout_pool(self.rollout_ranks + 1, self.rollout_ranks, self.rollout_tp)  # the pool alone
+        elif self.rollout_ranks:
+            raise PlacementError(
+                f"'rollout.num_gpus'={self.rollout_ranks} gives the engines ranks of their own, which only "
+                f"rollout.placement=separate does (placement {self.placement}): set rollout.placement=separate or rollout.num_gpus=0"
+            )
         if world_size is not None:
             check_world_size(world_size, self.tp, self.pp, self.cp)
-            check_rollout_tp(world_size, self.rollout_tp)
+            if not self.separate:
+                check_rollout_tp(world_size, self.rollout_tp)
         validate_expert_parallel(
             self.ep, num_experts=num_experts, world_size=world_size, tp=self.tp, pp=self.pp, cp=self.cp
         )
@@ -536,6 +604,13 @@ class ParallelLayout:
             lines.append(
                 f"  experts: EP {self.ep} x expert-TP {self.expert_tp} x expert-DP {self.expert_dp}; EP groups: "
                 + " ".join(str(g) for g in self.groups("ep"))
+            )
+        if self.separate:
+            first, last = self.world_size, self.launch_world - 1
+            lines[0] += f" trainer ranks, + {self.rollout_ranks} rollout rank(s) = {self.launch_world} processes"
+            lines.append(
+                f"  rollout: ranks {first}-{last}, {self.rollout_engines} engine(s) of rollout.tp {self.rollout_tp} "
+                f"(owned by ranks {', '.join(str(r) for r in self.engine_leaders())})"
             )
         if num_layers is not None and self.pp > 1:
             for pp_rank in range(self.pp):

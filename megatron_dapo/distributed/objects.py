@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_dapo.distributed import liveness
-from megatron_dapo.distributed.setup import gather_group
+from megatron_dapo.distributed.setup import gather_group, process_role
 
 
 def _initialised() -> bool:
@@ -51,8 +51,9 @@ def is_replica_leader() -> bool:
 
 
 def is_logging_rank() -> bool:
-    """Global rank 0: the one process that prints tables, writes metrics and plots."""
-    return not _initialised() or dist.get_rank() == 0
+    """The trainer's rank 0 (launch rank 0): the one process that prints tables, writes metrics and
+    plots (the separate placement's rollout ranks have a rank 0 of their own world: not this one)."""
+    return not _initialised() or (dist.get_rank() == 0 and process_role() == "trainer")
 
 
 def meeting_group(explicit: Optional[Any] = None) -> Optional[Any]:

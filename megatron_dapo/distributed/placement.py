@@ -82,6 +82,13 @@ def check_sync_mode(requested: str, placement: str, tp_size: int, rollout_tp: Op
             f"rollout.weight_sync_mode={requested} streams each rank's own slices, but at parallel.ep={ep} a rank holds only "
             "its own experts: use auto or gather (the gather export moves the experts between expert-parallel ranks)"
         )
+    if placement == "separate":
+        if requested in SHARD_MODES:
+            raise PlacementError(
+                f"rollout.weight_sync_mode={requested} is for colocated engines; with rollout.placement=separate the weights "
+                "travel to the engines' ranks as full tensors: use auto or gather"
+            )
+        return
     if placement == "spmd":
         if requested == "shared_memory":
             raise PlacementError(
@@ -126,7 +133,7 @@ def choose_sync_mode(
     which needs no TP gather, wins.
     """
     check_sync_mode(requested, placement, tp_size, rollout_tp, ep)
-    if ep > 1:
+    if ep > 1 or placement == "separate":
         return "gather"
     if placement == "spmd":
         if requested == "auto":

@@ -48,6 +48,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_dapo.compat.versions import require
 from megatron_dapo.distributed import liveness
+from megatron_dapo.distributed.bridge import Bridge, bridge_members, split_worlds
 from megatron_dapo.distributed.cpu_compat import enable_cpu_compat
 from megatron_dapo.distributed.launch import LaunchEnv, find_free_port, resolve_launch_env
 from megatron_dapo.distributed.layout import ParallelLayout
@@ -57,6 +58,7 @@ __all__ = [
     "gather_group",
     "gather_group_options",
     "init_distributed",
+    "process_role",
     "teardown",
 ]
 
@@ -66,6 +68,7 @@ GATHER_GROUP_BACKEND = "gloo"
 """The gather group's backend on every machine: a CPU wait with a timeout of its own, outside NCCL's
 watchdog, and object collectives (pickles) that need no device copy."""
 
+_role = "trainer"
 _gather_group: Optional[Any] = None
 _gather_group_timeout: Optional[datetime.timedelta] = None
 
@@ -82,6 +85,11 @@ def gather_group_options(gather_timeout_s: float) -> tuple[str, datetime.timedel
     if not gather_timeout_s > 0:
         raise ValueError(f"rollout.gather_timeout_s must be > 0, got {gather_timeout_s}")
     return GATHER_GROUP_BACKEND, datetime.timedelta(seconds=float(gather_timeout_s))
+
+def process_role() -> str:
+    """"trainer", or "rollout" on the separate placement's engine ranks (whose default group is their own world)."""
+    return _role
+
 
 def gather_group() -> Optional[Any]:
     """The gloo group where ranks meet after generating independently (see the module doc).
@@ -113,13 +121,21 @@ class DistributedContext:
     backend: str
     device: torch.device
     cpu_compat: bool
+    role: str = "trainer"
+    """"trainer", or "rollout" on the separate placement's engine ranks (no Megatron state there)."""
+    bridge: Optional[Bridge] = None
+    """The separate placement's link between the trainer's head and the engines' owners (`bridge.py`);
+    None on every other rank and in the colocated placements."""
 
     @property
     def rank(self) -> int:
+        """This process's rank in the launch (the trainer's ranks come first: there it is the
+        default group's rank too)."""
         return self.launch.rank
 
     @property
     def world_size(self) -> int:
+        """Processes of the launch (the separate placement's trainer world is `layout.world_size`)."""
         return self.launch.world_size
 
 def init_distributed(
@@ -161,6 +177,10 @@ def init_distributed(
     else:
         device = torch.device("cpu")
 
+    global _role
+    bridge = None
+    role = layout.role(launch.rank) if layout.separate else "trainer"
+    _role = role
     if not dist.is_initialized():
         # env:// reads these four variables; set them so SLURM and single launches look like torchrun.
         os.environ["MASTER_ADDR"] = launch.master_addr
@@ -168,13 +188,19 @@ def init_distributed(
         os.environ["RANK"] = str(launch.rank)
         os.environ["WORLD_SIZE"] = str(launch.world_size)
         os.environ["LOCAL_RANK"] = str(launch.local_rank)
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if layout.separate:
+            # Two worlds from the launch's one store (`bridge.split_worlds`): Megatron sees the trainer's.
+            store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout))
+            own_store, own_rank, own_world = split_worlds(store, layout, launch.rank)
+            dist.init_process_group(backend=backend, store=own_store, rank=own_rank, world_size=own_world, timeout=timeout)
+            bridge = Bridge.connect(store, bridge_members(layout), launch.rank, device, gather_timeout_s)
+        else:
+            dist.init_process_group(
+                backend=backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout
+            )
+    elif layout.separate:
+        raise RuntimeError("the separate placement splits the launch into two worlds: torch.distributed must not be initialised before")
     elif dist.get_world_size() != launch.world_size:
         raise RuntimeError(
             f"torch.distributed is initialised with world size {dist.get_world_size()}, "
@@ -184,6 +210,9 @@ def init_distributed(
     _make_gather_group(gather_timeout_s)
     liveness.configure(limit_s=gather_timeout_s)
     liveness.start_beating()  # before any rank can wait for this one
+    if role == "rollout":  # the engines' ranks hold no actor: no Megatron state, the launch's seed
+        _seed_everything(seed)
+        return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat, role=role, bridge=bridge)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -194,17 +223,21 @@ def init_distributed(
     )
 
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(stage_seed)
+    _seed_everything(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+    return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat, bridge=bridge)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
     try:
         import numpy as np
 
-        np.random.seed(stage_seed)
+        np.random.seed(seed)
     except ImportError:  # numpy is a dependency, but seeding must not be the reason a run fails
         pass
-    torch.manual_seed(stage_seed)
-    model_parallel_cuda_manual_seed(stage_seed)
-
-    return DistributedContext(launch=launch, layout=layout, backend=backend, device=device, cpu_compat=cpu_compat)
+    torch.manual_seed(seed)
 
 def teardown(keep_process_group: bool = False) -> None:
     """Destroy Megatron's model-parallel groups and the default process group (safe to call twice).
@@ -218,6 +251,8 @@ def teardown(keep_process_group: bool = False) -> None:
         parallel_state.destroy_model_parallel()
     except ImportError:
         pass
+    global _role
+    _role = "trainer"
     if dist.is_initialized() and not keep_process_group:
         liveness.stop_beating()  # its store goes with the default group
         dist.destroy_process_group()  # every group, the gather group included

@@ -33,6 +33,7 @@ from megatron_dapo.distributed.placement import replica_groups
 from megatron_dapo.rollout.group import RolloutGroup
 from megatron_dapo.rollout.sync.dispatch import SyncStats
 from megatron_dapo.trainer.metrics import Phase
+from megatron_dapo.trainer.remote_rollout import RemoteRollout
 
 
 def handover_groups(layout: ParallelLayout, engine: str) -> list[list[int]]:
@@ -42,7 +43,7 @@ def handover_groups(layout: ParallelLayout, engine: str) -> list[list[int]]:
     than one rank (its TP x PP x CP ranks, leader first), since the leader's engine may hold memory on
     any of their GPUs. spmd placement or the embedded engine: none (a rank's own engine memory is
     freed by its own thread before it onloads)."""
-    if layout.placement == "spmd" or engine == "embedded":
+    if layout.placement in ("spmd", "separate") or engine == "embedded":
         return []
     coordinates = [layout.coordinates(r) for r in range(layout.world_size)]
     groups = replica_groups([(c["dp"], c["pp"], c["cp"], c["tp"]) for c in coordinates])
@@ -152,14 +153,21 @@ class GpuHandover:
 
 
 def start_engine(
-    cfg: Config, layout: ParallelLayout, actor: Any, offload: ActorOffload, hf_config: Any, device
+    cfg: Config, layout: ParallelLayout, actor: Any, offload: ActorOffload, hf_config: Any, device, bridge: Optional[Any] = None
 ) -> tuple[GpuHandover, SyncStats]:
     """Create the rollout engine beside the actor and push the actor's weights into it.
 
     The engine starts from the HF weights; after a resume (or from a Megatron checkpoint) the
     actor's differ, hence the push. With offload the engine starts on a GPU without the actor's
     state (vLLM sizes its pool from the free memory); the first push then follows every step's order.
+    In the separate placement the engines start on their own ranks (`rollout_worker`) and this
+    makes the trainer's handle on them (`RemoteRollout`, `bridge`: the head's end of the bridge).
     Returns the hand-over and the first push's figures."""
+    if layout.separate:
+        rollout = RemoteRollout.create(cfg, layout, bridge)
+        handover = GpuHandover(actor, offload, rollout, hf_config, cfg.rollout.weight_sync_bucket_mb)
+        first_push, _ = handover.to_engine()
+        return handover, first_push
     barrier = ReplicaBarrier.create(layout, cfg.rollout.engine, cfg.rollout.gather_timeout_s)
     offload.offload()
     barrier.wait("waiting for the replica's actor state to leave the GPUs")  # then the engine starts and sizes its pool

@@ -49,6 +49,8 @@ from megatron_dapo.trainer.metrics import Phase
 from megatron_dapo.trainer.output_dir import checkpoints_dir, open_metrics_logger, plot_run, write_resolved_config
 from megatron_dapo.trainer.parts import build_policies, build_prompt_sampler, build_reward_manager, build_sampling_buffer, load_datasets
 from megatron_dapo.trainer.preemption import EXIT_PREEMPTED, SigtermFlag, StepStart, TrainingInterrupted
+from megatron_dapo.trainer.remote_rollout import GenerateShare
+from megatron_dapo.trainer.rollout_worker import serve_rollout
 from megatron_dapo.trainer.routing_exchange import RoutingStore, fetch_routing
 from megatron_dapo.trainer.samples import Samples, build_policy_batch, filter_metric, gather_samples, generate_and_score
 from megatron_dapo.trainer.seeds import generation_seed
@@ -84,7 +86,9 @@ class DAPOTrainer:
         resumed = self._resume() if resume else False
         self.logger = open_metrics_logger(cfg, runtime.output_dir, enabled=self.rank0, resume_step=self.step if resumed else None)
         liveness.configure(window_s=cfg.rollout.liveness_window_s, limit_s=cfg.rollout.gather_timeout_s)
-        self.handover, first_push = start_engine(cfg, runtime.ctx.layout, self.actor, self.offload, runtime.hf_config, runtime.ctx.device)
+        self.handover, first_push = start_engine(
+            cfg, runtime.ctx.layout, self.actor, self.offload, runtime.hf_config, runtime.ctx.device, bridge=runtime.ctx.bridge
+        )
         self.rollout = self.handover.rollout
         self.say_rank0(
             f"weight sync: {self.rollout.sync_mode} (rollout.weight_sync_mode={cfg.rollout.weight_sync_mode}), "
@@ -174,6 +178,8 @@ class DAPOTrainer:
 
     def _generate_batch(self, gen_index: int) -> Samples:
         """One generation batch: gen_batch_size prompts (this replica's share generated here), all ranks' samples."""
+        if self.rollout.placement == "separate":
+            return self._generate_batch_remote(gen_index)
         r = self.cfg.rollout
         share, shares = self.rollout.data_rank, self.rollout.data_size  # this rank's engine's share of the prompts
         indices = shard_for_rank(self.sampler.next_batch(), share, shares)
@@ -191,6 +197,22 @@ class DAPOTrainer:
             during_generate=self.sigterm.interruptible if interruptible else nullcontext,
         )  # fmt: skip
         return gather_samples(local, order_key=share, routing_store=self.routing_store)
+
+    def _generate_batch_remote(self, gen_index: int) -> Samples:
+        """The separate placement's generation batch: every engine its share (the shares and seeds a
+        colocated run with as many engines uses), generated on the rollout ranks, all samples here."""
+        r, batch = self.cfg.rollout, self.sampler.next_batch()
+        shares = self.rollout.data_size
+        requests = []
+        for share in range(shares):
+            params = SamplingParams(
+                n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_length,
+                stop=tuple(r.stop), seed=generation_seed(r.seed, self.step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
+                return_routed_experts=self.engine_routing,
+            )  # fmt: skip
+            examples = [self.train_data[i] for i in shard_for_rank(batch, share, shares)]
+            requests.append(GenerateShare(examples, params, f"s{self.step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype))
+        return self.rollout.generate_all(requests, routing_store=self.routing_store)
 
     def _policy_batch(self, train: Samples, advantages: torch.Tensor):
         """This data-parallel rank's rows of the train batch as the actor's `PolicyBatch` (MoE: with
@@ -339,6 +361,12 @@ def train(
     runtime = start(
         cfg, say=say, resume=resume, overwrite=overwrite, reference=cfg.algorithm.kl.use_kl_loss, layout=layout
     )
+    if runtime.ctx.role == "rollout":  # the separate placement's engine ranks serve the trainer's head
+        try:
+            serve_rollout(cfg, runtime, say=say)
+        finally:
+            teardown()
+        return {}
     if is_logging_rank():
         write_resolved_config(cfg, runtime.output_dir)
     trainer = DAPOTrainer(cfg, runtime, resume=resume, say=say)

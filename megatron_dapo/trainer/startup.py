@@ -166,6 +166,8 @@ def start(
     check_tokenizer(tokenizer, cfg.model.hf_dir)
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers: pad with EOS (padding never enters a loss)
         tokenizer.pad_token = tokenizer.eos_token
+    if ctx.role == "rollout":  # the separate placement's engine ranks hold no actor (`rollout_worker`)
+        return Runtime(cfg=cfg, ctx=ctx, tokenizer=tokenizer, hf_config=hf_config, models=[], output_dir=Path(cfg.trainer.output_dir))
     models = load_models(cfg, hf_config, ctx.layout)
     reference_models = load_models(cfg, hf_config, ctx.layout) if reference else None
     output_dir = Path(cfg.trainer.output_dir)

@@ -332,5 +332,5 @@ def test_layout_refuses_what_does_not_fit():
         ParallelLayout(tp=2).resolve(8).resolve(4)
     from megatron_dapo.distributed.layout import PlacementError
 
-    with pytest.raises(PlacementError, match="placement is 'leader' or 'spmd'"):
+    with pytest.raises(PlacementError, match="placement is one of leader, spmd, separate"):
         ParallelLayout(placement="auto").validate()

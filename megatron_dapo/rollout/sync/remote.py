@@ -1,0 +1,105 @@
+"""Weight sync to engines on ranks of their own (`rollout.placement=separate`): full tensors over the bridge.
+
+    transport = BridgeBroadcast(bridge)            # the trainer's head; None elsewhere in replica 0
+    sync_weights(actor.gpt_models, hf_cfg, transport, bucket_mb=...)
+    # every engine owner, told by the head's PushWeights message:
+    receive_push(bridge, engine)
+
+The stream is the "gather" mode's (`gather.iter_full_tensors`, the architecture's mapping table):
+every rank of the first data-parallel replica takes part in the export, which leaves each full HF
+tensor on every one of them; the head (launch rank 0) alone hands the buckets on. Each bucket
+crosses the bridge once, as one broadcast per dtype from the head to every engine owner
+(`distributed/bridge.py`: NCCL between GPUs, gloo on the CPU), and each owner loads it with
+`RolloutEngine.load_weights`, whose loaders take what the engine's TP ranks need. The push ends
+with an end-of-push marker and each owner's reply after its engine committed the weights, so the
+push returns when every engine is ready to generate with them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_dapo.model.bucketing import tensor_item_nbytes
+from megatron_dapo.rollout.sync import gather
+from megatron_dapo.rollout.sync.dispatch import WeightTransport
+
+__all__ = ["BridgeBroadcast", "PushDone", "PushWeights", "receive_push"]
+
+
+@dataclass(frozen=True)
+class PushWeights:
+    """The head's message to every engine owner: weight buckets follow on the bridge until the end marker."""
+
+    version: int
+    """How many updates the weights have had (0: the starting weights)."""
+
+
+@dataclass(frozen=True)
+class PushDone:
+    """An owner's reply once its engine committed the push."""
+
+    version: int
+    load_seconds: float
+
+
+class BridgeBroadcast(WeightTransport):
+    """Mode "gather" to engines across the bridge: the head broadcasts every bucket to the owners."""
+
+    mode = "gather"
+
+    def __init__(self, bridge: Optional[Any]) -> None:
+        """`bridge`: the head's end of the bridge; None on the other ranks of the exporting replica."""
+        if bridge is not None and not bridge.is_head:
+            raise ValueError("only the trainer's head pushes weights over the bridge")
+        self.bridge = bridge
+        self.version = 0
+        self._announced = False
+
+    def stream(self, models, hf_config, bucket_mb):
+        return gather.iter_full_tensors(models, hf_config, bucket_mb)
+
+    def item_bytes(self, item) -> int:
+        return tensor_item_nbytes(item)
+
+    @property
+    def delivers(self) -> bool:
+        return self.bridge is not None
+
+    def deliver(self, bucket) -> None:
+        if not self._announced:
+            for owner in range(1, self.bridge.size):
+                self.bridge.send(PushWeights(self.version), owner)
+            self._announced = True
+        self.bridge.broadcast_bucket(bucket)
+
+    def commit(self) -> None:
+        """End the push and wait until every engine has committed it."""
+        self.bridge.broadcast_bucket(None)
+        for owner in range(1, self.bridge.size):
+            reply = self.bridge.recv(owner)
+            if not isinstance(reply, PushDone) or reply.version != self.version:
+                raise RuntimeError(f"engine owner {owner} answered the push of version {self.version} with {reply!r}")
+        self._announced = False
+        self.version += 1
+
+
+def receive_push(bridge: Any, engine: Any, message: PushWeights) -> PushDone:
+    """An engine owner's side of one push (after `message`): load every bucket, commit, reply."""
+    loading = 0.0
+    while True:
+        bucket = bridge.broadcast_bucket(None)
+        if bucket is None:
+            break
+        started = time.perf_counter()
+        engine.load_weights(bucket)
+        loading += time.perf_counter() - started
+        del bucket
+    started = time.perf_counter()
+    commit = getattr(engine, "commit_weights", None)
+    if commit is not None:
+        commit()
+    done = PushDone(message.version, loading + time.perf_counter() - started)
+    bridge.send(done, 0)
+    return done

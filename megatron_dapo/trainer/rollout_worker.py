@@ -1,0 +1,111 @@
+"""The separate placement's engine ranks: what the last `rollout.num_gpus` ranks of the launch run.
+
+The same program as the trainer's ranks (`train`), which branches here after start-up
+(`DistributedContext.role == "rollout"`). Each group of rollout.tp rollout ranks holds one engine,
+built by its first rank, the *owner* (its vLLM / SGLang workers take the group's GPUs, as a
+colocated leader's take its replica's); the group's other ranks lend their GPUs and wait until the
+owners are done. An owner serves the trainer's head over the bridge (`distributed/bridge.py`), one
+message at a time, in order:
+
+* `GenerateShare`: generate and score the share (the reward function runs here, beside the engine),
+  answer with the packed samples;
+* `PushWeights`: receive the new weights bucket by bucket, load and commit them, answer `PushDone`;
+* `StopServing`: shut the engine down and leave.
+
+The weights an engine generates with are therefore always the last push before the request: the
+trainer's order of messages decides it, which keeps a run reproducible.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import Config
+from megatron_dapo.distributed.objects import gather_objects
+from megatron_dapo.distributed.placement import EngineDevices, assign_engine_devices
+from megatron_dapo.rollout.group import RolloutGroup, make_engine, this_rank_gpu
+from megatron_dapo.rollout.sync.remote import PushWeights, receive_push
+from megatron_dapo.trainer.parts import build_reward_manager
+from megatron_dapo.trainer.remote_rollout import GenerateShare, ShareResult, StopServing
+from megatron_dapo.trainer.samples import generate_and_score, pack_samples
+
+__all__ = ["pool_engine_devices", "serve_rollout"]
+
+_DONE_KEY = "mdapo_rollout_pool/done"
+_POLL_S = 1.0
+
+
+def pool_engine_devices(layout: Any, engine: str, device: torch.device) -> Optional[EngineDevices]:
+    """The GPUs of the engine this rollout rank owns (None off the GPU, or where it owns none): each
+    group of rollout.tp consecutive rollout ranks is one engine, placed as a colocated leader's
+    (`placement.assign_engine_devices`). A collective of the rollout ranks."""
+    mine = this_rank_gpu(device)
+    if mine is None:
+        return None
+    ranks = gather_objects(mine)
+    groups = [list(range(first, first + layout.rollout_tp)) for first in range(0, layout.rollout_ranks, layout.rollout_tp)]
+    me = dist.get_rank()
+    for devices in assign_engine_devices("leader", engine, layout.rollout_tp, ranks, groups):
+        if devices.owner == me:
+            return devices
+    return None
+
+
+def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print) -> None:
+    """Run this rollout rank until the trainer stops the engines (see the module doc)."""
+    ctx = runtime.ctx
+    devices = pool_engine_devices(ctx.layout, cfg.rollout.engine, ctx.device)
+    bridge = ctx.bridge
+    if bridge is None:
+        _lend_until_done(ctx.layout.rollout_engines)
+        return
+    engine = make_engine(cfg, cfg.model.hf_dir, ctx.device, placement="leader", devices=devices)
+    reward = build_reward_manager(cfg, runtime.tokenizer)
+    rollout = RolloutGroup(engine, free_cache=False, engine_kind=cfg.rollout.engine, device_type=ctx.device.type)
+    try:
+        while True:
+            message = bridge.recv(0)
+            if isinstance(message, GenerateShare):
+                bridge.send(_generate_share(rollout, reward, message), 0)
+            elif isinstance(message, PushWeights):
+                receive_push(bridge, engine, message)
+            elif isinstance(message, StopServing):
+                break
+            else:
+                raise RuntimeError(f"rollout rank {ctx.rank}: unexpected message from the trainer: {message!r}")
+    finally:
+        reward.close()
+        rollout.shutdown()
+        _owner_done()
+
+
+def _generate_share(rollout: RolloutGroup, reward: Any, request: GenerateShare) -> ShareResult:
+    started = time.perf_counter()
+    samples = generate_and_score(
+        rollout, reward, request.examples, request.params, uid_prefix=request.uid_prefix, validating=request.validating,
+        apply_overlong=request.apply_overlong, routing_dtype=request.routing_dtype,
+    )  # fmt: skip
+    packed = pack_samples(samples) if samples is not None and len(samples) else None
+    return ShareResult(packed=packed, seconds=time.perf_counter() - started)
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _owner_done() -> None:
+    """An owner leaves: counted in the rollout world's store, where the lenders look."""
+    if dist.is_initialized():
+        _store().add(_DONE_KEY, 1)
+
+
+def _lend_until_done(owners: int) -> None:
+    """A rank that lends its GPU to its group's engine waits until the `owners` engine owners have
+    left (the trainer stopped them), looking at the store once a second: no collective that could
+    time out during a run of days."""
+    while int(_store().add(_DONE_KEY, 0)) < owners:
+        time.sleep(_POLL_S)
