@@ -360,6 +360,12 @@ class TrainerConfig:
     ppo_mini_batch_size: int = 32
     """Prompts per optimizer update; train_batch_size / ppo_mini_batch_size updates per step."""
     ppo_epochs: int = 1
+    max_staleness: int = 0
+    """Asynchronous training (rollout.placement=separate): how many weight versions older than the
+    update's own a sample may have been generated with. 0: the synchronous loop (every sample comes
+    from the weights the step starts from). 1: one-step-off, the engines generate the next step's
+    batch while this one trains. k: up to k steps ahead. Needs an off-policy correction
+    (algorithm.tis_cap): the engine's log-probs are then the behaviour policy (docs/ASYNC.md)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch when `max_tokens_per_micro_batch` is 0."""
     max_tokens_per_micro_batch: int = 0
@@ -724,6 +730,21 @@ def validate(cfg: Config) -> None:
     _require(t.collective_timeout_s > 0, "'trainer.collective_timeout_s' must be > 0")
     _require(r.gather_timeout_s > 0, f"'rollout.gather_timeout_s' must be > 0, got {r.gather_timeout_s}")
     _require(r.liveness_window_s >= 1, f"'rollout.liveness_window_s' must be >= 1 (seconds), got {r.liveness_window_s}")
+    _require(
+        isinstance(t.max_staleness, int) and t.max_staleness >= 0, f"'trainer.max_staleness' must be an integer >= 0, got {t.max_staleness!r}"
+    )
+    if t.max_staleness > 0:
+        _require(
+            layout.placement == "separate",
+            f"'trainer.max_staleness'={t.max_staleness} trains asynchronously, which needs the engines on GPUs of their own: "
+            f"set rollout.placement=separate with rollout.num_gpus (rollout.placement={r.placement} puts them beside the "
+            "actor, where an engine sleeps during the update and generation cannot overlap it)",
+        )
+        _require(
+            a.tis_cap is not None,
+            f"'trainer.max_staleness'={t.max_staleness} trains on samples of older weights: set an off-policy correction, "
+            "algorithm.tis_cap (e.g. 2.0; the engine's log-probs are the behaviour policy, docs/ASYNC.md)",
+        )
     _require(
         t.gen_batch_size >= t.train_batch_size,
         f"'trainer.gen_batch_size'={t.gen_batch_size} is smaller than 'trainer.train_batch_size'="
