@@ -175,6 +175,9 @@ class DynamicSamplingBuffer:
         enabled: filter groups (DAPO dynamic sampling) or keep them all.
         pad_values: per-field padding value for tensors whose non-batch dims differ between
             generation batches (e.g. ``{"input_ids": pad_token_id}``); default 0.
+        carry_over: keep the informative groups beyond ``train_batch_size`` for the next step
+            (asynchronous training, where they cost nothing more to keep than to drop; `drop_stale`
+            then removes those that grew too old) instead of discarding them (the paper's loop).
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class DynamicSamplingBuffer:
         max_num_gen_batches: int = 0,
         enabled: bool = True,
         pad_values: Optional[Mapping[str, Any]] = None,
+        carry_over: bool = False,
     ) -> None:
         if train_batch_size < 1 or n_samples_per_prompt < 1:
             raise ValueError(
@@ -197,12 +201,19 @@ class DynamicSamplingBuffer:
         self.max_num_gen_batches = max_num_gen_batches
         self.enabled = enabled
         self.pad_values = dict(pad_values or {})
+        self.carry_over = carry_over
+        self._carried: Optional[dict[str, Field]] = None
+        self._carried_groups = 0
+        self._fields: Optional[tuple[str, ...]] = None
         self._reset()
 
     def _reset(self) -> None:
-        self._parts: list[dict[str, Field]] = []
-        self._fields: Optional[tuple[str, ...]] = None
-        self._stored_groups = 0
+        """Start a step: empty, but for the groups a `carry_over` buffer kept from the last one."""
+        self._parts: list[dict[str, Field]] = [self._carried] if self._carried is not None else []
+        self._stored_groups = self._carried_groups
+        self._carried, self._carried_groups = None, 0
+        if not self._parts:
+            self._fields = None
         self._seen_group_ids: set = set()
         self._stats = {
             "num_gen_batches": 0,
@@ -212,6 +223,8 @@ class DynamicSamplingBuffer:
             "num_groups_all_wrong": 0,
             "num_groups_constant": 0,
             "num_samples_reward_failed": 0,
+            "num_groups_carried": self._stored_groups,
+            "num_groups_stale_dropped": 0,
         }
         self._first_reward_failure: Optional[str] = None
         self._taken = False
@@ -227,6 +240,17 @@ class DynamicSamplingBuffer:
         return self._stored_groups
 
     @property
+    def num_carried_groups(self) -> int:
+        """After `take`: the groups kept for the next step (``carry_over``)."""
+        return self._carried_groups if self._taken else 0
+
+    def note_stale(self, num_groups: int) -> None:
+        """Count groups dropped before `add` because their weights were too old (``num_groups_stale_dropped``)."""
+        if self._taken:
+            self._reset()
+        self._stats["num_groups_stale_dropped"] += num_groups
+
+    @property
     def is_full(self) -> bool:
         return self._stored_groups >= self.train_batch_size
 
@@ -235,8 +259,12 @@ class DynamicSamplingBuffer:
         """Counts of the step: generation batches and groups generated / kept / all-correct /
         all-wrong / constant (``num_groups_kept`` counts every informative group, including
         those beyond ``train_batch_size`` that are discarded), and samples whose reward function
-        failed (when `add` is told, else 0)."""
-        return dict(self._stats)
+        failed (when `add` is told, else 0); with ``carry_over`` also the groups carried into the
+        step from the last one and those `drop_stale` removed."""
+        stats = dict(self._stats)
+        if not self.carry_over:
+            del stats["num_groups_carried"], stats["num_groups_stale_dropped"]
+        return stats
 
     def add(
         self,
@@ -288,8 +316,8 @@ class DynamicSamplingBuffer:
                 self._first_reward_failure = str(failed[0])
 
         # Store whole groups, each contiguous, in order of first appearance; only as many as the
-        # train batch still needs (the surplus would be discarded by `take` anyway).
-        room = self.train_batch_size - self._stored_groups
+        # train batch still needs (the surplus would be discarded by `take` anyway), or all with carry_over.
+        room = None if self.carry_over else self.train_batch_size - self._stored_groups
         kept_groups = result.group_kept.nonzero().flatten()[:room]
         if kept_groups.numel() > 0:
             repeated = set(result.group_ids[g] for g in kept_groups.tolist()) & self._seen_group_ids
@@ -392,8 +420,38 @@ class DynamicSamplingBuffer:
             name: _concat([part[name] for part in self._parts], name, self.pad_values.get(name, 0))
             for name in self._fields
         }
+        surplus = self._stored_groups - self.train_batch_size
+        if surplus > 0:  # carry_over: the groups after the train batch wait for the next step
+            cut = self.train_batch_size * self.n_samples_per_prompt
+            total = cut + surplus * self.n_samples_per_prompt
+            self._carried = {name: _select(value, torch.arange(cut, total), name) for name, value in out.items()}
+            self._carried_groups = surplus
+            out = {name: _select(value, torch.arange(cut), name) for name, value in out.items()}
         stats = self._stats
-        self._reset()
+        self._parts, self._stored_groups = [], 0
         self._stats = stats
         self._taken = True
         return out
+
+    def drop_stale(self, name: str, oldest: int) -> int:
+        """Start the next step by dropping the stored groups whose samples' field `name` (their weight
+        version) is below `oldest`; returns how many groups went (counted in ``num_groups_stale_dropped``).
+        Every sample of a group has the same value (a group comes from one generation request)."""
+        if self._taken:
+            self._reset()
+        dropped = 0
+        kept_parts = []
+        for part in self._parts:
+            values = torch.as_tensor(list(part[name]) if not isinstance(part[name], torch.Tensor) else part[name])
+            keep = (values >= oldest).nonzero().flatten()
+            gone = values.numel() - keep.numel()
+            if gone % self.n_samples_per_prompt:
+                raise ValueError(f"a prompt group's samples differ in {name!r}: groups must come whole from one request")
+            dropped += gone // self.n_samples_per_prompt
+            if keep.numel():
+                kept_parts.append({field: _select(value, keep, field) for field, value in part.items()})
+        self._parts = kept_parts
+        self._stored_groups -= dropped
+        self._stats["num_groups_carried"] -= dropped
+        self._stats["num_groups_stale_dropped"] += dropped
+        return dropped

@@ -15,9 +15,10 @@ the head, bridge rank i the i-th owner. It has three process groups of its own, 
 the store (outside torch.distributed's default world, so the two worlds never wait for each other
 in a collective):
 
-* messages (gloo): pickled point-to-point messages, requests to the engines and results back
-  (`send` / `recv`); a rank may wait here for long (a generation batch), so its timeout is
-  `rollout.gather_timeout_s`;
+* messages (gloo): pickled point-to-point messages (`send` / `recv`) on two channels: the work
+  (requests to the engines, their results back) and the replies to weight pushes, which overtake
+  results still on their way; a rank may wait here for long (a generation batch), so its timeout
+  is `rollout.gather_timeout_s`;
 * meta (gloo): the names, shapes and dtypes of each weight bucket, broadcast from the head;
 * weights: the buckets' bytes, broadcast from the head, one flat buffer per dtype: NCCL on GPUs
   (the buckets never leave the devices), gloo on the CPU (`weights_backend`).
@@ -36,9 +37,11 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Bridge", "BucketMeta", "bridge_members", "split_worlds", "weights_backend"]
+__all__ = ["CHANNELS", "Bridge", "BucketMeta", "PendingSend", "bridge_members", "split_worlds", "weights_backend"]
 
-_MESSAGE_TAG = 7
+CHANNELS = {"work": 7, "replies": 8}
+"""Message channels (gloo tags): the requests and their results, and the replies to weight pushes,
+which pass results still on their way (each channel keeps its own order)."""
 _PREFIX = "mdapo_bridge/"
 
 
@@ -90,6 +93,21 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+class PendingSend:
+    """A message on its way (`Bridge.send(..., wait=False)`): holds its buffers until it arrived."""
+
+    def __init__(self, works: list, buffers: tuple) -> None:
+        self._works, self._buffers = works, buffers
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._buffers = ()
+
+
 class Bridge:
     """This rank's end of the bridge (see the module doc); `connect` makes it on the members."""
 
@@ -124,18 +142,27 @@ class Bridge:
 
     # ------------------------------------------------------------------ messages
 
-    def send(self, message: Any, to: int) -> None:
-        """Send a picklable `message` to bridge rank `to` (returns once it is handed over)."""
+    def send(self, message: Any, to: int, wait: bool = True, channel: str = "work") -> Optional["PendingSend"]:
+        """Send a picklable `message` to bridge rank `to` on `channel` (`CHANNELS`). `wait`: return
+        once the receiver has it; else at once, with the `PendingSend` to wait for (messages to one
+        rank on one channel arrive in order)."""
+        tag = CHANNELS[channel]
         payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        self._messages.send([torch.tensor([payload.numel()], dtype=torch.int64)], to, _MESSAGE_TAG).wait()
-        self._messages.send([payload], to, _MESSAGE_TAG).wait()
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = [self._messages.send([size], to, tag), self._messages.send([payload], to, tag)]
+        pending = PendingSend(works, (size, payload))
+        if wait:
+            pending.wait()
+            return None
+        return pending
 
-    def recv(self, source: int) -> Any:
-        """The next message from bridge rank `source` (waits up to the bridge's timeout)."""
+    def recv(self, source: int, channel: str = "work") -> Any:
+        """The next message from bridge rank `source` on `channel` (waits up to the bridge's timeout)."""
+        tag = CHANNELS[channel]
         size = torch.empty(1, dtype=torch.int64)
-        self._messages.recv([size], source, _MESSAGE_TAG).wait()
+        self._messages.recv([size], source, tag).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._messages.recv([payload], source, _MESSAGE_TAG).wait()
+        self._messages.recv([payload], source, tag).wait()
         return pickle.loads(payload.numpy().tobytes())
 
     # ------------------------------------------------------------------ weights

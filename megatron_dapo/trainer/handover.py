@@ -153,7 +153,8 @@ class GpuHandover:
 
 
 def start_engine(
-    cfg: Config, layout: ParallelLayout, actor: Any, offload: ActorOffload, hf_config: Any, device, bridge: Optional[Any] = None
+    cfg: Config, layout: ParallelLayout, actor: Any, offload: ActorOffload, hf_config: Any, device, bridge: Optional[Any] = None,
+    weight_version: int = 0,
 ) -> tuple[GpuHandover, SyncStats]:
     """Create the rollout engine beside the actor and push the actor's weights into it.
 
@@ -161,10 +162,11 @@ def start_engine(
     actor's differ, hence the push. With offload the engine starts on a GPU without the actor's
     state (vLLM sizes its pool from the free memory); the first push then follows every step's order.
     In the separate placement the engines start on their own ranks (`rollout_worker`) and this
-    makes the trainer's handle on them (`RemoteRollout`, `bridge`: the head's end of the bridge).
+    makes the trainer's handle on them (`RemoteRollout`, `bridge`: the head's end of the bridge;
+    `weight_version`: how many updates the actor's weights have had, the step it resumes after).
     Returns the hand-over and the first push's figures."""
     if layout.separate:
-        rollout = RemoteRollout.create(cfg, layout, bridge)
+        rollout = RemoteRollout.create(cfg, layout, bridge, weight_version=weight_version)
         handover = GpuHandover(actor, offload, rollout, hf_config, cfg.rollout.weight_sync_bucket_mb)
         first_push, _ = handover.to_engine()
         return handover, first_push

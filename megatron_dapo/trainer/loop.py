@@ -21,6 +21,7 @@ GPU between engine and actor), `preemption` (SIGTERM), `checkpointing`, `validat
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from contextlib import nullcontext
 from functools import reduce
@@ -71,8 +72,12 @@ class DAPOTrainer:
         self.offload = ActorOffload.from_config(self.actor, cfg.actor)
         self.train_data, self.val_data = load_datasets(cfg, self.tokenizer, say=self.say_rank0)
         self.sampler = build_prompt_sampler(cfg, len(self.train_data))
-        self.reward = build_reward_manager(cfg, self.tokenizer)
+        layout = runtime.ctx.layout
+        # The separate placement scores beside its engines, on the rollout ranks.
+        self.reward = build_reward_manager(cfg, self.tokenizer) if not layout.separate else None
         self.buffer = build_sampling_buffer(cfg)
+        self.max_staleness = cfg.trainer.max_staleness
+        self._gen_indices: dict[int, int] = {}  # step -> generation batches handed out for it so far
         self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe)
         # The engine's routing stays in host memory in its compact type (1 byte an entry up to 128 experts).
         self.routing_dtype = routing_dtype(runtime.hf_config.num_experts) if self.engine_routing else torch.int32
@@ -87,8 +92,9 @@ class DAPOTrainer:
         self.logger = open_metrics_logger(cfg, runtime.output_dir, enabled=self.rank0, resume_step=self.step if resumed else None)
         liveness.configure(window_s=cfg.rollout.liveness_window_s, limit_s=cfg.rollout.gather_timeout_s)
         self.handover, first_push = start_engine(
-            cfg, runtime.ctx.layout, self.actor, self.offload, runtime.hf_config, runtime.ctx.device, bridge=runtime.ctx.bridge
-        )
+            cfg, layout, self.actor, self.offload, runtime.hf_config, runtime.ctx.device, bridge=runtime.ctx.bridge,
+            weight_version=self.step,
+        )  # fmt: skip
         self.rollout = self.handover.rollout
         self.say_rank0(
             f"weight sync: {self.rollout.sync_mode} (rollout.weight_sync_mode={cfg.rollout.weight_sync_mode}), "
@@ -124,11 +130,14 @@ class DAPOTrainer:
 
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.cfg, metrics.step_timer()
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         start = StepStart.capture(self.sampler)
         generated: list[Samples] = []
-        # 1. Generate and score until train_batch_size prompt groups with mixed accuracy are kept.
+        # 1. Generate and score until train_batch_size prompt groups with mixed accuracy are kept
+        #    (asynchronous: first what the engines generated ahead, dropping groups grown too old).
         with timer.phase(Phase.GEN):
+            if self.max_staleness:
+                self.buffer.drop_stale("weight_version", oldest=self.step - 1 - self.max_staleness)
             while not self.buffer.is_full:  # `take` empties the buffer: every step generates at least once
                 try:
                     with self._call_off_on_sigterm():
@@ -136,11 +145,18 @@ class DAPOTrainer:
                 except liveness.MeetingCalledOff:
                     self._exit_called_off(start)
                 self._stop_before_update_if_asked(start)  # after the gather: every rank is here
+                if self._too_old(samples):  # aged in flight while carried groups filled the steps before
+                    self.buffer.note_stale(len(samples) // cfg.rollout.n)
+                    continue
                 generated.append(samples)
                 metric = filter_metric(samples, cfg.algorithm.filter_groups.metric)
                 self.buffer.add(samples.as_fields(), metric=metric, group_ids=samples.uid, failures=samples.reward_error)
         sampling_stats = self.buffer.stats
         train = Samples.from_fields(self.buffer.take())
+        # Asynchronous: the engines generate the next step's prompts (with the weights this step
+        # starts from) while this step trains.
+        ahead = self._generate_ahead(sampling_stats) if self.max_staleness else {}
+        trainer_started = time.time()
         # 2. Group-normalised advantages over the whole train batch (identical on every rank).
         advantages = grpo_advantages(torch.tensor(train.score), train.uid, norm_by_std=cfg.algorithm.norm_adv_by_std)
         batch = self._policy_batch(train, advantages)
@@ -160,8 +176,12 @@ class DAPOTrainer:
         # 5. The rollout engine generates with the new weights from the next step on.
         synced, offloaded = self.handover.to_engine(timer)
         step_seconds = time.perf_counter() - started
+        timeline = self._timeline(started_wall, trainer_started, timer)
         return {
             **metrics.batch_metrics(train, advantages, generated, sampling_stats),
+            **(metrics.staleness_metrics(train.weight_version, self.step - 1, self.max_staleness) if train.weight_version else {}),
+            **ahead,
+            **timeline,
             **metrics.actor_metrics(update),
             **mismatch,
             **metrics.weight_sync_metrics(synced),
@@ -199,20 +219,65 @@ class DAPOTrainer:
         return gather_samples(local, order_key=share, routing_store=self.routing_store)
 
     def _generate_batch_remote(self, gen_index: int) -> Samples:
-        """The separate placement's generation batch: every engine its share (the shares and seeds a
-        colocated run with as many engines uses), generated on the rollout ranks, all samples here."""
+        """The separate placement's generation batch: the oldest one the engines generate ahead, or
+        else a new one for this step; all samples on every trainer rank."""
+        if not self.rollout.inflight:
+            self._submit_generation(self.step)
+        return self.rollout.collect(routing_store=self.routing_store)
+
+    def _submit_generation(self, step: int) -> None:
+        """Hand the engines one generation batch of the next gen_batch_size prompts, labelled for
+        `step` (its uids and seeds: every engine its share, the shares and seeds of a colocated run
+        with as many engines)."""
         r, batch = self.cfg.rollout, self.sampler.next_batch()
+        gen_index = self._gen_indices.get(step, 0)
+        self._gen_indices = {s: n for s, n in self._gen_indices.items() if s >= self.step} | {step: gen_index + 1}
         shares = self.rollout.data_size
         requests = []
         for share in range(shares):
             params = SamplingParams(
                 n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_length,
-                stop=tuple(r.stop), seed=generation_seed(r.seed, self.step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
+                stop=tuple(r.stop), seed=generation_seed(r.seed, step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
                 return_routed_experts=self.engine_routing,
             )  # fmt: skip
             examples = [self.train_data[i] for i in shard_for_rank(batch, share, shares)]
-            requests.append(GenerateShare(examples, params, f"s{self.step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype))
-        return self.rollout.generate_all(requests, routing_store=self.routing_store)
+            requests.append(GenerateShare(examples, params, f"s{step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype))
+        self.rollout.submit(requests)
+
+    def _timeline(self, started: float, trainer_started: float, timer) -> dict[str, float]:
+        """The separate placement's `async/*` timeline of this step (the head knows the engines'; the
+        other ranks report none): engines busy / waiting, trainer waiting, overlap."""
+        if self.rollout.placement != "separate" or self.rollout.bridge is None:
+            return {}
+        now = time.time()
+        busy, engine_wait = self.rollout.engine_timeline()
+        trainer_wait = timer.seconds(Phase.GEN)
+        return metrics.timeline_metrics((started, now), busy, [(trainer_started, now)], engine_wait, trainer_wait)
+
+    def _too_old(self, samples: Samples) -> bool:
+        """Asynchronous training: a generation batch whose weights are more than max_staleness versions
+        older than this step's (one version per batch: the batch is kept or dropped whole)."""
+        versions = samples.weight_version
+        return bool(self.max_staleness and versions and min(versions) < self.step - 1 - self.max_staleness)
+
+    def _generate_ahead(self, sampling_stats: dict) -> dict[str, float]:
+        """Asynchronous training, once this step's batch is chosen: hand the engines what the next
+        max_staleness steps will need beyond the groups carried over, all generated with the weights
+        this step starts from, so that it is fresh enough where it is used. How much a batch yields
+        is estimated from the steps so far (kept groups per generation batch); the same decision on
+        every rank (counts only)."""
+        batches, kept = sampling_stats["num_gen_batches"], sampling_stats["num_groups_kept"]
+        if batches and kept:
+            self._kept_per_batch = kept / batches
+        per_batch = getattr(self, "_kept_per_batch", float(self.cfg.trainer.gen_batch_size))
+        needed = self.max_staleness * self.cfg.trainer.train_batch_size - self.buffer.num_carried_groups
+        wanted = math.ceil(max(0, needed) / per_batch)
+        per_step = max(1, math.ceil(self.cfg.trainer.train_batch_size / per_batch))
+        submitted = 0
+        while self.rollout.inflight < wanted:
+            self._submit_generation(self.step + 1 + (self.rollout.inflight // per_step))
+            submitted += 1
+        return {"async/batches_in_flight": float(self.rollout.inflight), "async/batches_submitted_ahead": float(submitted)}
 
     def _policy_batch(self, train: Samples, advantages: torch.Tensor):
         """This data-parallel rank's rows of the train batch as the actor's `PolicyBatch` (MoE: with
@@ -346,7 +411,8 @@ class DAPOTrainer:
 
     def close(self) -> None:
         self.logger.close()
-        self.reward.close()
+        if self.reward is not None:
+            self.reward.close()
         self.rollout.shutdown()
 
 

@@ -19,6 +19,15 @@ Names follow verl's where verl has one, so that dashboards and the paper's curve
                                        replayed from it (r3): tokens routed to other experts by the actor in
                                        at least one layer, and (token, layer) pairs (`actor.routing`)
     weight_sync/{seconds,gb_per_s}     the push of the new weights into the engine
+    async/staleness_{mean,max}, async/staleness_frac_<s>   rollout.placement=separate: how many weight
+                                       versions older than the update's the train batch's samples are
+                                       (fraction of its samples at each staleness 0..trainer.max_staleness);
+                                       train/num_groups_{carried,stale_dropped} with trainer.max_staleness > 0
+    async/{batches_in_flight,batches_submitted_ahead}   generation handed to the engines ahead of the update
+    async/{engine_busy_s,engine_wait_s,trainer_wait_s,overlap_frac}   the separate placement's timeline:
+                                       seconds the engines generated and waited for work in the step, the
+                                       trainer waited for samples, and the share of the step in which
+                                       generation and the trainer's work overlapped
     actor_offload/{gb,dropped_grads_gb,offload_gb_per_s,onload_gb_per_s}
     timing_s/<phase>                   seconds per `Phase` of the step; timing_s/step, timing_s/validation
     perf/tokens_per_s                  prompt + response tokens of the train batch per second of the step
@@ -44,7 +53,10 @@ from megatron_dapo.trainer.samples import Samples
 TIMING = "timing_s/"
 ROLLOUT_MISMATCH = "rollout_mismatch/"
 
-WALL_CLOCK = (TIMING, "perf/", "weight_sync/", "actor_offload/offload_gb_per_s", "actor_offload/onload_gb_per_s")
+WALL_CLOCK = (
+    TIMING, "perf/", "weight_sync/", "actor_offload/offload_gb_per_s", "actor_offload/onload_gb_per_s", "async/engine_",
+    "async/trainer_wait_s", "async/overlap_frac",
+)
 """Name prefixes of the values that differ between two runs of the same steps (durations, speeds);
 every other value repeats exactly, also across a resume."""
 
@@ -131,6 +143,71 @@ def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
         f"{ROLLOUT_MISMATCH}routing_{name.removeprefix('routing_mismatch_')}": value
         for name, value in mismatch.metrics().items()
     }
+
+
+def staleness_metrics(weight_versions: Sequence[int], trainer_version: int, max_staleness: int) -> dict[str, float]:
+    """How stale the train batch is: `trainer_version` (the weights the update starts from) minus each
+    sample's generation version; mean, max and the fraction at each staleness 0..max_staleness."""
+    staleness = torch.tensor([trainer_version - v for v in weight_versions], dtype=torch.float64)
+    if (staleness < 0).any():
+        raise ValueError(f"samples generated with weights newer than the trainer's version {trainer_version}")
+    out = {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max())}
+    for s in range(max_staleness + 1):
+        out[f"async/staleness_frac_{s}"] = float((staleness == s).double().mean())
+    return out
+
+
+def timeline_metrics(
+    window: tuple[float, float], engine_busy: Sequence[tuple[float, float]], trainer_busy: Sequence[tuple[float, float]],
+    engine_wait_s: float, trainer_wait_s: float,
+) -> dict[str, float]:
+    """The separate placement's step timeline (wall-clock intervals within the step's `window`): how
+    long the engines generated (union), waited for work or weights, the trainer waited for samples,
+    and the share of the step in which generation and the trainer's own work ran at once."""
+    start, end = window
+    clip = [(max(a, start), min(b, end)) for a, b in engine_busy if min(b, end) > max(a, start)]
+    length = max(end - start, 1e-9)
+    return {
+        "async/engine_busy_s": busy_union_seconds(clip),
+        "async/engine_wait_s": engine_wait_s,
+        "async/trainer_wait_s": trainer_wait_s,
+        "async/overlap_frac": overlap_seconds(clip, trainer_busy) / length,
+    }
+
+
+def busy_union_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start, end) intervals."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def overlap_seconds(first: Sequence[tuple[float, float]], second: Sequence[tuple[float, float]]) -> float:
+    """Seconds in which both sets of intervals are busy (each set taken as its union)."""
+    a, b = _merged(first), _merged(second)
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
 
 
 def weight_sync_metrics(synced: Any) -> dict[str, float]:

@@ -67,6 +67,9 @@ def build_reward_manager(cfg: Config, tokenizer: Any) -> RewardManager:
 
 
 def build_sampling_buffer(cfg: Config) -> DynamicSamplingBuffer:
-    """Keeps the prompt groups whose rewards differ until `trainer.train_batch_size` groups are kept."""
+    """Keeps the prompt groups whose rewards differ until `trainer.train_batch_size` groups are kept
+    (asynchronous training: also those beyond, for the next step while they are fresh enough)."""
     f = cfg.algorithm.filter_groups
-    return DynamicSamplingBuffer(cfg.trainer.train_batch_size, cfg.rollout.n, f.max_num_gen_batches, enabled=f.enable)
+    return DynamicSamplingBuffer(
+        cfg.trainer.train_batch_size, cfg.rollout.n, f.max_num_gen_batches, enabled=f.enable, carry_over=cfg.trainer.max_staleness > 0
+    )

@@ -20,6 +20,8 @@ trainer's head (launch rank 0):
 
 from __future__ import annotations
 
+import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -32,7 +34,7 @@ from megatron_dapo.rollout.sync.dispatch import SyncStats, WeightTransport, sync
 from megatron_dapo.rollout.sync.remote import BridgeBroadcast
 from megatron_dapo.trainer.samples import Samples, gather_samples, unpack_samples
 
-__all__ = ["GenerateShare", "RemoteRollout", "ShareResult", "StopServing"]
+__all__ = ["GenerateShare", "InFlight", "RemoteRollout", "ShareResult", "StopServing"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,27 @@ class GenerateShare:
 @dataclass(frozen=True)
 class ShareResult:
     """An engine's answer to `GenerateShare`: its samples packed (`samples.pack_samples`), or None
-    for an empty share, and the seconds it generated and scored."""
+    for an empty share; the weight version it generated with; when it worked on the share (wall-clock
+    start and end, `time.time()`) and how long it had waited for the request before."""
 
     packed: Optional[tuple] = None
-    seconds: float = 0.0
+    version: int = 0
+    started: float = 0.0
+    ended: float = 0.0
+    waited_s: float = 0.0
+
+
+@dataclass
+class InFlight:
+    """One generation batch handed to the engines and not collected yet (every trainer rank keeps
+    the same record: the decisions that follow are taken alike everywhere)."""
+
+    shares: int
+    version: int
+    """The weights the engines generate it with: the last push sent before it."""
+    results: Optional[list] = None
+    """The head: the engines' `ShareResult`s once received (each engine answers in order, so a later
+    batch's results are read after every earlier one's, which then wait here)."""
 
 
 @dataclass(frozen=True)
@@ -69,21 +88,38 @@ class RemoteRollout:
     layout: ParallelLayout
     bridge: Optional[Any] = None
     """The head's end of the bridge (launch rank 0); None on the other trainer ranks."""
+    next_version: int = 0
+    """The weight version the next push delivers (the number of updates the actor has had)."""
     sync_mode: str = "gather"
     free_cache: bool = False
     _transport: Optional[BridgeBroadcast] = field(default=None, repr=False)
+    _inflight: deque = field(default_factory=deque, repr=False)
+    _sending: list = field(default_factory=list, repr=False)
+    last_results: list = field(default_factory=list, repr=False)
+    """The `ShareResult`s of the last collected batch, without their samples (the head; for timing metrics)."""
 
     placement = "separate"
     is_leader = False
     engine = None
 
     @classmethod
-    def create(cls, cfg: Any, layout: ParallelLayout, bridge: Optional[Any]) -> "RemoteRollout":
+    def create(cls, cfg: Any, layout: ParallelLayout, bridge: Optional[Any], weight_version: int = 0) -> "RemoteRollout":
+        """`weight_version`: the version of the actor's weights now (the step a resumed run starts after)."""
         if not layout.separate:
             raise ValueError(f"RemoteRollout is the separate placement's; this layout's is {layout.placement}")
         if (bridge is not None) != (_trainer_rank() == 0):
             raise RuntimeError("the bridge belongs to the trainer's head (launch rank 0) alone")
-        return cls(layout, bridge)
+        return cls(layout, bridge, next_version=weight_version)
+
+    @property
+    def pushed_version(self) -> int:
+        """The version of the last push (the weights a request sent now is generated with)."""
+        return self.next_version - 1
+
+    @property
+    def inflight(self) -> int:
+        """Generation batches handed to the engines and not collected yet."""
+        return len(self._inflight)
 
     @property
     def data_size(self) -> int:
@@ -93,16 +129,50 @@ class RemoteRollout:
     def generate_all(self, requests: Sequence[GenerateShare], routing_store: Optional[Any] = None) -> Samples:
         """Every engine generates and scores its share (`requests[i]` for engine i; the same list on
         every trainer rank); every trainer rank gets all the samples, in share order (a collective
-        of the trainer's ranks, like the colocated gather)."""
+        of the trainer's ranks, like the colocated gather). `submit` then `collect`."""
+        self.submit(requests)
+        mine = self._inflight.pop()  # out of turn: the batches before it stay in flight, their results kept
+        for batch in self._inflight:
+            self._receive(batch)
+        return self._samples(mine, routing_store)
+
+    def submit(self, requests: Sequence[GenerateShare]) -> None:
+        """Hand one generation batch to the engines, share i to engine i, and return at once (every
+        trainer rank calls it alike). The engines work through their requests in order, each with
+        the weights of the last push before it (`pushed_version`)."""
         if len(requests) != self.data_size:
             raise ValueError(f"{len(requests)} shares for {self.data_size} engines")
+        if self.bridge is not None:
+            self._sending = [pending for pending in self._sending if not pending.done()]
+            for engine, request in enumerate(requests):
+                self._sending.append(self.bridge.send(request, engine + 1, wait=False))
+        self._inflight.append(InFlight(len(requests), self.pushed_version))
+
+    def collect(self, routing_store: Optional[Any] = None) -> Samples:
+        """The samples of the oldest batch in flight, on every trainer rank (waits for the engines;
+        a collective of the trainer's ranks). Each sample carries the batch's `weight_version`."""
+        if not self._inflight:
+            raise RuntimeError("no generation batch in flight: submit one first")
+        return self._samples(self._inflight.popleft(), routing_store)
+
+    def _receive(self, batch: InFlight) -> None:
+        """The head: read `batch`'s results from every engine (once)."""
+        if self.bridge is None or batch.results is not None:
+            return
+        results = [self.bridge.recv(engine + 1) for engine in range(batch.shares)]
+        wrong = [(i, r.version) for i, r in enumerate(results) if r.version != batch.version]
+        if wrong:
+            raise RuntimeError(f"engines {wrong} (engine, version) generated with other weights than version {batch.version}")
+        batch.results = results
+
+    def _samples(self, batch: InFlight, routing_store: Optional[Any]) -> Samples:
+        """`batch`'s samples on every trainer rank, each with the batch's weight version."""
         local = None
         if self.bridge is not None:
-            for engine, request in enumerate(requests):
-                self.bridge.send(request, engine + 1)
-            results = [self.bridge.recv(engine + 1) for engine in range(len(requests))]
-            parts = [unpack_samples(*result.packed) for result in results if result.packed is not None]
-            local = Samples.concat(parts)
+            self._receive(batch)
+            local = Samples.concat([unpack_samples(*r.packed) for r in batch.results if r.packed is not None])
+            local.weight_version = [batch.version] * len(local)
+            self.last_results = [dataclasses.replace(r, packed=None) for r in batch.results]
         return gather_samples(local, order_key=0, routing_store=routing_store)
 
     # ------------------------------------------------------------------ weights
@@ -111,14 +181,26 @@ class RemoteRollout:
         """The first replica exports full tensors, the head broadcasts them to every engine (a
         collective of that replica's ranks); the other replicas have nothing to do."""
         if data_parallel_rank_and_size()[0] != 0:
+            self.next_version += 1
             return SyncStats(bytes=0, seconds=0.0, load_seconds=0.0, num_tensors=0, num_buckets=0, peak_bucket_bytes=0)
         if self._transport is None:
             self._transport = BridgeBroadcast(self.bridge)
-        return sync_weights(models, hf_config, self._transport, bucket_mb=bucket_mb)
+        self._transport.version = self.next_version
+        stats = sync_weights(models, hf_config, self._transport, bucket_mb=bucket_mb)
+        self.next_version += 1
+        return stats
 
     @property
     def transport(self) -> Optional[WeightTransport]:
         return self._transport
+
+    def engine_timeline(self) -> tuple[list[tuple[float, float]], float]:
+        """The head, after a push: every engine's busy (start, end) intervals since the push before,
+        and the engines' mean seconds of waiting for work or weights in that time."""
+        replies = self._transport.replies if self._transport is not None else []
+        busy = [interval for reply in replies for interval in reply.busy]
+        waited = sum(reply.waited_s for reply in replies) / len(replies) if replies else 0.0
+        return busy, waited
 
     # ------------------------------------------------------------------ what a colocated engine needs
 
@@ -139,8 +221,15 @@ class RemoteRollout:
         """Tell every engine owner to stop (the head; once)."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
+            while self._inflight:  # what the engines still generate is not wanted: take it and drop it
+                batch = self._inflight.popleft()
+                if batch.results is None:
+                    for engine in range(batch.shares):
+                        bridge.recv(engine + 1)
             for owner in range(1, bridge.size):
                 bridge.send(StopServing(), owner)
+            for pending in self._sending:
+                pending.wait()
 
 
 def _trainer_rank() -> int:

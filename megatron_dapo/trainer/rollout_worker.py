@@ -66,31 +66,44 @@ def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print)
     engine = make_engine(cfg, cfg.model.hf_dir, ctx.device, placement="leader", devices=devices)
     reward = build_reward_manager(cfg, runtime.tokenizer)
     rollout = RolloutGroup(engine, free_cache=False, engine_kind=cfg.rollout.engine, device_type=ctx.device.type)
+    version = -1  # the weights the engine holds: none of the actor's before the first push
+    sending: list = []  # results on their way: the next request is read while the head has not taken them yet
+    busy: list[tuple[float, float]] = []  # since the last push, for the trainer's timeline metrics
+    waited_total = 0.0
     try:
         while True:
+            waiting = time.perf_counter()
             message = bridge.recv(0)
+            waited = time.perf_counter() - waiting
+            waited_total += waited
             if isinstance(message, GenerateShare):
-                bridge.send(_generate_share(rollout, reward, message), 0)
+                result = _generate_share(rollout, reward, message, version, waited)
+                busy.append((result.started, result.ended))
+                sending = [pending for pending in sending if not pending.done()]
+                sending.append(bridge.send(result, 0, wait=False))
             elif isinstance(message, PushWeights):
-                receive_push(bridge, engine, message)
+                version = receive_push(bridge, engine, message, tuple(busy), waited_total).version
+                busy, waited_total = [], 0.0
             elif isinstance(message, StopServing):
                 break
             else:
                 raise RuntimeError(f"rollout rank {ctx.rank}: unexpected message from the trainer: {message!r}")
+        for pending in sending:  # the head takes every result before it says stop
+            pending.wait()
     finally:
         reward.close()
         rollout.shutdown()
         _owner_done()
 
 
-def _generate_share(rollout: RolloutGroup, reward: Any, request: GenerateShare) -> ShareResult:
-    started = time.perf_counter()
+def _generate_share(rollout: RolloutGroup, reward: Any, request: GenerateShare, version: int, waited_s: float) -> ShareResult:
+    started = time.time()
     samples = generate_and_score(
         rollout, reward, request.examples, request.params, uid_prefix=request.uid_prefix, validating=request.validating,
         apply_overlong=request.apply_overlong, routing_dtype=request.routing_dtype,
     )  # fmt: skip
     packed = pack_samples(samples) if samples is not None and len(samples) else None
-    return ShareResult(packed=packed, seconds=time.perf_counter() - started)
+    return ShareResult(packed=packed, version=version, started=started, ended=time.time(), waited_s=waited_s)
 
 
 def _store() -> Any:

@@ -61,6 +61,9 @@ class Samples:
     routing_ref: Optional[list[tuple[int, int]]] = None
     """Instead of ``routed_experts`` after a `gather_samples` with a `RoutingStore`: where each
     sample's routing stays (owner rank, index) until `routing_exchange.fetch_routing` delivers it."""
+    weight_version: Optional[list[int]] = None
+    """The separate placement: how many updates the engine's weights had when it generated the sample
+    (the trainer at step t starts from version t - 1; the difference is the sample's staleness)."""
 
     def __post_init__(self) -> None:
         for name in _PER_SAMPLE_OPTIONAL:
@@ -97,7 +100,7 @@ class Samples:
         return merged
 
 
-_PER_SAMPLE_OPTIONAL = ("routed_experts", "routing_ref")
+_PER_SAMPLE_OPTIONAL = ("routed_experts", "routing_ref", "weight_version")
 
 
 def generate_and_score(

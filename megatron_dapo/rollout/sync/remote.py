@@ -38,10 +38,14 @@ class PushWeights:
 
 @dataclass(frozen=True)
 class PushDone:
-    """An owner's reply once its engine committed the push."""
+    """An owner's reply once its engine committed the push, with what the engine did since the last one."""
 
     version: int
     load_seconds: float
+    busy: tuple[tuple[float, float], ...] = ()
+    """(start, end) wall-clock times (`time.time()`) of the work on each request since the last push."""
+    waited_s: float = 0.0
+    """Seconds the owner waited for a message (work or weights) since the last push."""
 
 
 class BridgeBroadcast(WeightTransport):
@@ -56,6 +60,8 @@ class BridgeBroadcast(WeightTransport):
         self.bridge = bridge
         self.version = 0
         self._announced = False
+        self.replies: list[PushDone] = []
+        """Every owner's `PushDone` of the last push (the head)."""
 
     def stream(self, models, hf_config, bucket_mb):
         return gather.iter_full_tensors(models, hf_config, bucket_mb)
@@ -77,16 +83,20 @@ class BridgeBroadcast(WeightTransport):
     def commit(self) -> None:
         """End the push and wait until every engine has committed it."""
         self.bridge.broadcast_bucket(None)
+        self.replies = []
         for owner in range(1, self.bridge.size):
-            reply = self.bridge.recv(owner)
+            reply = self.bridge.recv(owner, channel="replies")  # results of earlier requests may still be on their way
             if not isinstance(reply, PushDone) or reply.version != self.version:
                 raise RuntimeError(f"engine owner {owner} answered the push of version {self.version} with {reply!r}")
+            self.replies.append(reply)
         self._announced = False
-        self.version += 1
 
 
-def receive_push(bridge: Any, engine: Any, message: PushWeights) -> PushDone:
-    """An engine owner's side of one push (after `message`): load every bucket, commit, reply."""
+def receive_push(
+    bridge: Any, engine: Any, message: PushWeights, busy: tuple = (), waited_s: float = 0.0
+) -> PushDone:
+    """An engine owner's side of one push (after `message`): load every bucket, commit, reply (with
+    the owner's `busy` intervals and `waited_s` since the last push)."""
     loading = 0.0
     while True:
         bucket = bridge.broadcast_bucket(None)
@@ -100,6 +110,6 @@ def receive_push(bridge: Any, engine: Any, message: PushWeights) -> PushDone:
     commit = getattr(engine, "commit_weights", None)
     if commit is not None:
         commit()
-    done = PushDone(message.version, loading + time.perf_counter() - started)
-    bridge.send(done, 0)
+    done = PushDone(message.version, loading + time.perf_counter() - started, tuple(busy), waited_s)
+    bridge.send(done, 0, channel="replies")
     return done
