@@ -13,8 +13,8 @@ layout and the atomic publication are described in `checkpoint/layout.py`, the c
 
 Writing is spread over the ranks: every rank writes its own files with `write_threads` threads,
 tensors replicated over data-parallel ranks (the weights) are shared out among them by Megatron's
-fully parallel save, and with `optimizer_format="dp_reshardable"` each rank writes its own shard of
-the distributed optimizer's state; each rank then checksums what it wrote. Rank 0 writes the small
+fully parallel save, and with `optimizer_format="dp_reshardable"` or `"fully_sharded_model_space"`
+each rank writes its own shard of the distributed optimizer's state; each rank then checksums what it wrote. Rank 0 writes the small
 shared files and publishes the checkpoint.
 
 What makes a checkpoint loadable at another TP / PP / VPP / DP layout:
@@ -22,9 +22,10 @@ What makes a checkpoint loadable at another TP / PP / VPP / DP layout:
   loader reads whatever slice the new layout needs; the vocabulary padding, which depends on TP,
   is marked `allow_shape_mismatch` by Megatron and padded / trimmed on load; so the weights of
   every checkpoint load at any layout (`load_optimizer=False`), and convert to HF;
-- the distributed optimizer's state: at any layout when saved `fully_reshardable`, at the same TP /
-  PP / VPP when saved `dp_reshardable` (a named `CheckpointLayoutError` otherwise); the
-  non-distributed optimizers save per-parameter state keyed like the model: any layout;
+- the distributed optimizer's state: at any layout when saved `fully_reshardable` or
+  `fully_sharded_model_space` (`ANY_LAYOUT_FORMATS`), at the same TP / PP / VPP when saved
+  `dp_reshardable` (a named `CheckpointLayoutError` otherwise); the non-distributed optimizers
+  save per-parameter state keyed like the model: any layout;
 - the scheduler state and the optimizer's param groups are layout-free (common state);
 - RNG states are per rank and only meaningful at the same layout: they are restored when the layout
   is unchanged and otherwise left as `init_distributed` seeded them (reported in the result).
@@ -71,7 +72,9 @@ from megatron_dapo.checkpoint.layout import (
     fsync_dir,
     write_latest_pointer,
 )
+from megatron_dapo.checkpoint.model_space import MODEL_SPACE, model_space_sharded_state_dict
 from megatron_dapo.checkpoint.optimizer_state import (
+    ANY_LAYOUT_FORMATS,
     OPTIMIZER_FORMATS,
     bucket_layout,
     bucket_mismatch,
@@ -252,9 +255,12 @@ def _sharded_state(models, optimizer, scheduler, is_loading: bool, optimizer_for
     if optimizer_format is not None:
         model_state = dict(state)
         materialise_adam_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=sharding_metadata(optimizer_format)
-        )
+        if optimizer_format == MODEL_SPACE and optimizer_kind(optimizer) == "distributed":
+            state["optimizer"] = model_space_sharded_state_dict(optimizer, model_state, is_loading=is_loading)
+        else:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading, metadata=sharding_metadata(optimizer_format)
+            )
     if scheduler is not None and not is_loading:
         state["scheduler"] = scheduler.state_dict()  # plain values: Megatron saves them once (common.pt)
     return state
@@ -346,8 +352,9 @@ def save_checkpoint(
     model directory whose config / tokenizer files are copied in, which lets
     `convert_megatron_to_hf` export this checkpoint. `keep_last` > 0 prunes older checkpoints.
     `optimizer_format`: "dp_reshardable" (every rank writes its shard; resumes at the same TP / PP /
-    VPP) or "fully_reshardable" (gathered to DP rank 0; resumes at any layout), see
-    `optimizer_state`. `write_threads`: writer threads (files) per rank. `parallel_save`: share the
+    VPP), "fully_reshardable" (gathered to DP rank 0; resumes at any layout) or
+    "fully_sharded_model_space" (every rank writes its part in model space; resumes at any layout),
+    see `optimizer_state`. `write_threads`: writer threads (files) per rank. `parallel_save`: share the
     writing of DP-replicated tensors out among the DP ranks (else DP rank 0 writes them).
     `checksums`: record per-file checksums in metadata.json (checked before every load).
     """
@@ -550,7 +557,8 @@ def _check_optimizer_fits(directory: Path, metadata: dict, optimizer: Any, num_c
             f"loads only at the layout it was saved at ({_describe_layout(saved_layout)}; DP may change) and with the "
             f"same gradient buckets; this run differs: {change}. Resume at the saved layout (parallel.tp, parallel.pp, "
             "parallel.vpp as saved), or from a fully reshardable checkpoint (the one after the last step with "
-            "trainer.final_checkpoint_reshardable=true, or any with trainer.checkpoint_format=fully_reshardable)"
+            "trainer.final_checkpoint_reshardable=true, or any with trainer.checkpoint_format=fully_reshardable "
+            "or fully_sharded_model_space)"
             + _reshardable_hint(directory.parent)
             + ", or load the weights only (model.megatron_checkpoint) with a fresh optimizer"
         )
@@ -568,7 +576,7 @@ def _reshardable_hint(root: Path) -> str:
     found = []
     for step, path in list_checkpoints(root):
         try:
-            if read_metadata(path).get("contents", {}).get("optimizer_sharding") == "fully_reshardable":
+            if read_metadata(path).get("contents", {}).get("optimizer_sharding") in ANY_LAYOUT_FORMATS:
                 found.append(path.name)
         except (FileNotFoundError, ValueError):
             continue

@@ -1,6 +1,6 @@
 """The optimizer's part of a checkpoint: which format, whether it fits this layout, and loading it.
 
-Two formats of Megatron's distributed optimizer (ZeRO-1) state, chosen per save
+Three formats of Megatron's distributed optimizer (ZeRO-1) state, chosen per save
 (`trainer.checkpoint_format`, `trainer.final_checkpoint_reshardable`):
 
 - `dp_reshardable` (Megatron-LM's default for its periodic saves): each DP rank writes its own
@@ -10,11 +10,17 @@ Two formats of Megatron's distributed optimizer (ZeRO-1) state, chosen per save
   (`bucket_layout`: Megatron's per-bucket element counts, recorded at save and compared at load).
 - `fully_reshardable`: the shards are gathered over gloo into the CPU memory of DP rank 0 (the
   memory-efficient variant), which writes the state laid out like the model's parameters; it loads
-  at any TP / PP / VPP / DP, but every byte of optimizer state passes through DP rank 0's node.
+  at any TP / PP / VPP / EP / DP, but every byte of optimizer state passes through DP rank 0's node
+  (`final_save.py` checks that it fits).
+- `fully_sharded_model_space` (`model_space.py`): the same tensors as `fully_reshardable`, under the
+  same keys, but each DP rank writes its own part of them: no gather, no buffer, every rank writes;
+  it loads at any layout too, each rank reading only its own part.
 
-Non-distributed optimizers keep the full state on every DP rank and save it like the weights: any
-layout. Megatron 0.16 and 0.19 take the format as `optimizer.sharded_state_dict(...,
-metadata={"distrib_optim_sharding_type": ...})` and name the result `param_state_sharding_type`.
+`ANY_LAYOUT_FORMATS` are the last two. Non-distributed optimizers keep the full state on every DP
+rank and save it like the weights: any layout. Megatron 0.16 and 0.19 take the format as
+`optimizer.sharded_state_dict(..., metadata={"distrib_optim_sharding_type": ...})` and name the
+result `param_state_sharding_type`; `fully_sharded_model_space` is built here instead (Megatron's
+own builder of that name no longer works, see `model_space.py`), and its state carries that name.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_dapo.checkpoint.errors import CheckpointError
+from megatron_dapo.checkpoint.model_space import MODEL_SPACE, load_model_space_param_state
 
 __all__ = [
+    "ANY_LAYOUT_FORMATS",
+    "MODEL_SPACE",
     "OPTIMIZER_FORMATS",
     "bucket_layout",
     "bucket_mismatch",
@@ -37,8 +46,10 @@ __all__ = [
     "sharding_metadata",
 ]
 
-OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable", MODEL_SPACE)
 """Distributed-optimizer checkpoint formats this version writes and reads."""
+ANY_LAYOUT_FORMATS = ("fully_reshardable", MODEL_SPACE)
+"""The formats whose optimizer state loads at any TP / PP / VPP / EP / DP (laid out like the model)."""
 
 LAYOUT_BOUND_KEYS = ("tp", "pp", "vpp", "ep")
 """Layout sizes a `dp_reshardable` optimizer state is bound to (its keys and buckets follow them;
@@ -50,6 +61,8 @@ def sharding_metadata(optimizer_format: str) -> dict:
     """The `metadata` given to `optimizer.sharded_state_dict` for one format."""
     if optimizer_format not in OPTIMIZER_FORMATS:
         raise ValueError(f"unknown optimizer checkpoint format {optimizer_format!r}; valid: {', '.join(OPTIMIZER_FORMATS)}")
+    # fully_sharded_model_space: distributed optimizers are not asked for it (`model_space.py` builds
+    # it); the name still tells a ChainedOptimizer of local ones that the format is fully reshardable.
     metadata = {"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True}
     if optimizer_format == "fully_reshardable":
         # Gathered over gloo into DP rank 0's CPU memory: the all-gather over NCCL variant would hold the
@@ -137,8 +150,9 @@ def materialise_adam_state(optimizer: Any) -> None:
 
 
 _PARAM_STATE_LOADERS = {
-    "fully_reshardable": "load_parameter_state_from_fully_reshardable",
-    "dp_reshardable": "load_parameter_state_from_dp_reshardable",
+    "fully_reshardable": lambda opt, state: opt.load_parameter_state_from_fully_reshardable(state),
+    "dp_reshardable": lambda opt, state: opt.load_parameter_state_from_dp_reshardable(state),
+    MODEL_SPACE: load_model_space_param_state,
 }
 
 
@@ -147,8 +161,8 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
 
     DistributedOptimizer.load_state_dict first rebuilds the inner optimizer's state (adding a
     per-parameter "step" on the PyTorch path, from the param groups), then copies the loaded
-    tensors into every key of that state, "step" included: the fully-reshardable tensors have no
-    "step" (KeyError), and the dp-reshardable ones carry the step tensor of the optimizer *before*
+    tensors into every key of that state, "step" included: the model-space tensors (fully_reshardable,
+    fully_sharded_model_space) have no "step" (KeyError), and the dp-reshardable ones carry the step tensor of the optimizer *before*
     the load (it is a non-persistent entry), which would silently reset Adam's bias correction. We
     split the two halves and hide "step" during the copy (under no_grad); with Apex / TE optimizers
     there is no per-parameter step and this is the plain call.
@@ -172,7 +186,7 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
             # no_grad: with fp32 parameters the main-param shards are views of leaves that require grad,
             # and 0.16's dp_reshardable loader copies into them without a no_grad of its own.
             with torch.no_grad():
-                getattr(opt, loader)(param_state)
+                loader(opt, param_state)
         finally:
             for param, step in hidden.items():
                 opt.optimizer.state[param]["step"] = step

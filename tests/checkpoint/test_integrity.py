@@ -230,5 +230,6 @@ def test_dp_reshardable_layout_rules():
 def test_sharding_metadata():
     assert sharding_metadata("dp_reshardable")["distrib_optim_sharding_type"] == "dp_reshardable"
     assert sharding_metadata("fully_reshardable")["distrib_optim_fully_reshardable_mem_efficient"] is True
+    assert sharding_metadata("fully_sharded_model_space")["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     with pytest.raises(ValueError, match="unknown optimizer checkpoint format"):
-        sharding_metadata("fully_sharded_model_space")
+        sharding_metadata("fully_sharded_bucket_space")
