@@ -239,10 +239,16 @@ class DynamicSamplingBuffer:
         """Kept groups held for the next train batch (at most ``train_batch_size``)."""
         return self._stored_groups
 
-    @property
-    def num_carried_groups(self) -> int:
-        """After `take`: the groups kept for the next step (``carry_over``)."""
-        return self._carried_groups if self._taken else 0
+    def num_carried_groups(self, name: Optional[str] = None, oldest: Any = None) -> int:
+        """After `take`: the groups kept for the next step (``carry_over``); with `name`, only those
+        whose samples' field `name` is at least `oldest` (fresh enough to be trained then)."""
+        if not self._taken or self._carried is None:
+            return 0
+        if name is None:
+            return self._carried_groups
+        values = self._carried[name]
+        fresh = sum(1 for value in (values.tolist() if isinstance(values, torch.Tensor) else values) if value >= oldest)
+        return fresh // self.n_samples_per_prompt
 
     def note_stale(self, num_groups: int) -> None:
         """Count groups dropped before `add` because their weights were too old (``num_groups_stale_dropped``)."""

@@ -55,6 +55,7 @@ from megatron_dapo.trainer.rollout_worker import serve_rollout
 from megatron_dapo.trainer.routing_exchange import RoutingStore, fetch_routing
 from megatron_dapo.trainer.samples import Samples, build_policy_batch, filter_metric, gather_samples, generate_and_score
 from megatron_dapo.trainer.seeds import generation_seed
+from megatron_dapo.trainer.staleness import batches_ahead, oldest_version, staleness
 from megatron_dapo.trainer.startup import Runtime, start
 
 __all__ = ["EXIT_PREEMPTED", "DAPOTrainer", "TrainingInterrupted", "train"]
@@ -137,7 +138,7 @@ class DAPOTrainer:
         #    (asynchronous: first what the engines generated ahead, dropping groups grown too old).
         with timer.phase(Phase.GEN):
             if self.max_staleness:
-                self.buffer.drop_stale("weight_version", oldest=self.step - 1 - self.max_staleness)
+                self.buffer.drop_stale("weight_version", oldest=oldest_version(self.step, self.max_staleness))
             while not self.buffer.is_full:  # `take` empties the buffer: every step generates at least once
                 try:
                     with self._call_off_on_sigterm():
@@ -179,7 +180,7 @@ class DAPOTrainer:
         timeline = self._timeline(started_wall, trainer_started, timer)
         return {
             **metrics.batch_metrics(train, advantages, generated, sampling_stats),
-            **(metrics.staleness_metrics(train.weight_version, self.step - 1, self.max_staleness) if train.weight_version else {}),
+            **(metrics.staleness_metrics([staleness(self.step, v) for v in train.weight_version], self.max_staleness) if train.weight_version else {}),
             **ahead,
             **timeline,
             **metrics.actor_metrics(update),
@@ -258,7 +259,7 @@ class DAPOTrainer:
         """Asynchronous training: a generation batch whose weights are more than max_staleness versions
         older than this step's (one version per batch: the batch is kept or dropped whole)."""
         versions = samples.weight_version
-        return bool(self.max_staleness and versions and min(versions) < self.step - 1 - self.max_staleness)
+        return bool(self.max_staleness and versions and min(versions) < oldest_version(self.step, self.max_staleness))
 
     def _generate_ahead(self, sampling_stats: dict) -> dict[str, float]:
         """Asynchronous training, once this step's batch is chosen: hand the engines what the next
@@ -270,13 +271,12 @@ class DAPOTrainer:
         if batches and kept:
             self._kept_per_batch = kept / batches
         per_batch = getattr(self, "_kept_per_batch", float(self.cfg.trainer.gen_batch_size))
-        needed = self.max_staleness * self.cfg.trainer.train_batch_size - self.buffer.num_carried_groups
-        wanted = math.ceil(max(0, needed) / per_batch)
-        per_step = max(1, math.ceil(self.cfg.trainer.train_batch_size / per_batch))
-        submitted = 0
-        while self.rollout.inflight < wanted:
+        train_batch = self.cfg.trainer.train_batch_size
+        fresh = self.buffer.num_carried_groups("weight_version", oldest_version(self.step + 1, self.max_staleness))
+        submitted = batches_ahead(self.max_staleness, train_batch, fresh, per_batch, self.rollout.inflight)
+        per_step = max(1, math.ceil(train_batch / per_batch))  # which step each batch is labelled for (uids, seeds)
+        for _ in range(submitted):
             self._submit_generation(self.step + 1 + (self.rollout.inflight // per_step))
-            submitted += 1
         return {"async/batches_in_flight": float(self.rollout.inflight), "async/batches_submitted_ahead": float(submitted)}
 
     def _policy_batch(self, train: Samples, advantages: torch.Tensor):

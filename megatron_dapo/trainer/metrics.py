@@ -145,12 +145,12 @@ def routing_mismatch_metrics(mismatch: Any) -> dict[str, float]:
     }
 
 
-def staleness_metrics(weight_versions: Sequence[int], trainer_version: int, max_staleness: int) -> dict[str, float]:
-    """How stale the train batch is: `trainer_version` (the weights the update starts from) minus each
-    sample's generation version; mean, max and the fraction at each staleness 0..max_staleness."""
-    staleness = torch.tensor([trainer_version - v for v in weight_versions], dtype=torch.float64)
+def staleness_metrics(stalenesses: Sequence[int], max_staleness: int) -> dict[str, float]:
+    """How stale the train batch is (`trainer.staleness.staleness` of each sample): mean, max and the
+    fraction of samples at each staleness 0..max_staleness."""
+    staleness = torch.tensor(list(stalenesses), dtype=torch.float64)
     if (staleness < 0).any():
-        raise ValueError(f"samples generated with weights newer than the trainer's version {trainer_version}")
+        raise ValueError("samples generated with weights newer than the trainer's")
     out = {"async/staleness_mean": float(staleness.mean()), "async/staleness_max": float(staleness.max())}
     for s in range(max_staleness + 1):
         out[f"async/staleness_frac_{s}"] = float((staleness == s).double().mean())
