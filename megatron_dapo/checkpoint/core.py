@@ -47,7 +47,7 @@ import platform
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -342,6 +342,7 @@ def save_checkpoint(
     write_threads: int = 2,
     parallel_save: bool = True,
     checksums: bool = True,
+    rank0_files: Optional[Mapping[str, Callable[[Path], None]]] = None,
 ) -> Path:
     """Write checkpoint `<root>/step_<step>` atomically; collective over all ranks. Returns its path.
 
@@ -357,6 +358,9 @@ def save_checkpoint(
     see `optimizer_state`. `write_threads`: writer threads (files) per rank. `parallel_save`: share the
     writing of DP-replicated tensors out among the DP ranks (else DP rank 0 writes them).
     `checksums`: record per-file checksums in metadata.json (checked before every load).
+    `rank0_files`: files rank 0 writes into the checkpoint besides (name relative to it -> a function
+    writing that path), e.g. the asynchronous trainer's samples still in flight; checksummed and
+    published atomically with the rest.
     """
     if trainer_state is not None:
         json.dumps(trainer_state, default=_json_default)  # fail before any collective if it cannot be saved
@@ -387,6 +391,14 @@ def save_checkpoint(
     except Exception as err:
         error = err
     _all_ranks_ok(error, "saving RNG states")
+    error = None
+    if rank0_files and _rank() == 0:
+        try:
+            for relative, write in rank0_files.items():
+                write(tmp / relative)
+        except Exception as err:
+            error = err
+    _all_ranks_ok(error, "writing the trainer's files")
 
     algorithm = integrity.checksum_algorithm() if checksums else None
     checksummed = None
