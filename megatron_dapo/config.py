@@ -266,6 +266,20 @@ class KLConfig:
 
 
 @dataclass
+class MaskedISConfig:
+    """Sequence-level masked importance sampling (algorithm/off_policy.py, docs/ASYNC.md "Off-policy
+    correction"): a sequence whose geometric-mean ratio pi_old / pi_rollout over its loss tokens lies
+    outside [low, high] leaves the loss and the token-mean's denominator; kept ones are not reweighted."""
+
+    enable: bool = False
+    low: float = 0.999
+    """Lower bound of the per-token geometric-mean ratio (inclusive); 0 < low < 1."""
+    high: float = 1.001
+    """Upper bound (inclusive); > 1. The defaults are verl's geometric rejection presets (+-0.1% a
+    token); stale samples (trainer.max_staleness > 0) sit further out: watch actor/mis_masked_frac."""
+
+
+@dataclass
 class AlgorithmConfig:
     clip_low: float = CLIP_LOW
     clip_high: float = CLIP_HIGH
@@ -284,7 +298,10 @@ class AlgorithmConfig:
     overlong_filter: bool = False
     """Mask truncated responses out of the loss."""
     tis_cap: Optional[float] = None
-    """Truncated importance-sampling correction of rollout/trainer mismatch (token cap); null disables."""
+    """Truncated importance sampling: each token's loss times min(pi_old / pi_rollout, tis_cap), the
+    engine's log-probs being the behaviour policy (docs/ASYNC.md); null disables. Combines with `mis`."""
+    mis: MaskedISConfig = field(default_factory=MaskedISConfig)
+    """Sequence-level masked importance sampling; with `tis_cap` the kept tokens get the TIS weight too."""
 
 
 @dataclass
@@ -365,7 +382,7 @@ class TrainerConfig:
     update's own a sample may have been generated with. 0: the synchronous loop (every sample comes
     from the weights the step starts from). 1: one-step-off, the engines generate the next step's
     batch while this one trains. k: up to k steps ahead. Needs an off-policy correction
-    (algorithm.tis_cap): the engine's log-probs are then the behaviour policy (docs/ASYNC.md)."""
+    (algorithm.tis_cap and/or algorithm.mis): the engine's log-probs are then the behaviour policy (docs/ASYNC.md)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch when `max_tokens_per_micro_batch` is 0."""
     max_tokens_per_micro_batch: int = 0
@@ -701,6 +718,12 @@ def validate(cfg: Config) -> None:
         "'algorithm.filter_groups.max_num_gen_batches' must be >= 0 (0 = unlimited)",
     )
     _require(a.tis_cap is None or a.tis_cap > 0, f"'algorithm.tis_cap' must be > 0 or null, got {a.tis_cap}")
+    if a.mis.enable:
+        _require(
+            0 < a.mis.low < 1 < a.mis.high < float("inf"),
+            f"'algorithm.mis' needs 0 < low < 1 < high (the on-policy ratio 1 inside the band), got "
+            f"low={a.mis.low}, high={a.mis.high}",
+        )
     _require(
         a.filter_groups.metric in FILTER_GROUP_METRICS,
         f"'algorithm.filter_groups.metric'={a.filter_groups.metric!r} is not one of {', '.join(FILTER_GROUP_METRICS)}",
@@ -741,9 +764,10 @@ def validate(cfg: Config) -> None:
             "actor, where an engine sleeps during the update and generation cannot overlap it)",
         )
         _require(
-            a.tis_cap is not None,
+            a.tis_cap is not None or a.mis.enable,
             f"'trainer.max_staleness'={t.max_staleness} trains on samples of older weights: set an off-policy correction, "
-            "algorithm.tis_cap (e.g. 2.0; the engine's log-probs are the behaviour policy, docs/ASYNC.md)",
+            "algorithm.tis_cap (token-level truncated IS, e.g. 2.0) and/or algorithm.mis.enable=true (sequence-level "
+            "masked IS); the engine's log-probs are the behaviour policy (docs/ASYNC.md, \"Off-policy correction\")",
         )
     _require(
         t.gen_batch_size >= t.train_batch_size,

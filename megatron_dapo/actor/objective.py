@@ -12,9 +12,17 @@ the split. The same holds for the statistics: ``sums`` is a float64 vector of pe
 
 Objective, per token with mask ``m`` (``aggregate`` reduces with ``algorithm.loss_agg_mode``)::
 
+    m     = m & keep(sequence)                          # masked IS (algorithm.mis), when enabled
     pg    = policy_loss(logp, old_logp, A)              # clip-higher + dual-clip (algorithm/loss.py)
     pg    = pg * min(exp(old_logp - rollout_logp), tis_cap)    # truncated IS, when enabled
     loss  = agg(pg) - entropy_coeff * agg(H) + kl_coef * agg(kl(logp, ref_logp))
+
+``old_logp`` is the proximal policy (the actor at the weights the update starts from) and
+``rollout_logp`` the behaviour policy (the engine that sampled): decoupled PPO, docs/ASYNC.md
+"Off-policy correction". ``keep`` rejects whole sequences whose geometric-mean ratio
+``pi_old / pi_rollout`` leaves ``[mis.low, mis.high]`` (`algorithm.off_policy`); their tokens leave
+the loss and the global counts alike (`loss_mask` is what the actor counts from). With neither
+correction enabled the objective is the plain (coupled) one, unchanged.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from typing import Optional
 
 import torch
 
-from megatron_dapo.actor.batch import MicroBatch
+from megatron_dapo.actor.batch import MicroBatch, PolicyBatch
 from megatron_dapo.algorithm.defaults import CLIP_C, CLIP_HIGH, CLIP_LOW
 from megatron_dapo.algorithm.loss import PolicyLossStats, aggregate, kl_penalty, policy_loss
 from megatron_dapo.algorithm.mismatch import truncated_is_weights
+from megatron_dapo.algorithm.off_policy import MIS_STAT_NAMES, masked_is_stats, off_policy_loss_mask, sequence_mask
 
-__all__ = ["GlobalCounts", "ObjectiveSettings", "STAT_NAMES", "micro_batch_objective", "summarise"]
+__all__ = ["GlobalCounts", "ObjectiveSettings", "STAT_NAMES", "loss_mask", "micro_batch_objective", "summarise"]
 
 _POLICY_FIELDS = tuple(f.name for f in fields(PolicyLossStats))
 STAT_NAMES = (
@@ -41,6 +50,7 @@ STAT_NAMES = (
     "kl_sum",
     "tis_weight_sum",
     "tis_capped_sum",
+    *(f"mis_{name}" for name in MIS_STAT_NAMES),
     *_POLICY_FIELDS,
 )
 """Entries of the statistics vector. The ``*_loss`` entries are already globally normalised (their
@@ -60,6 +70,8 @@ class ObjectiveSettings:
     kl_coef: float = 0.001
     kl_type: str = "low_var_kl"
     tis_cap: Optional[float] = None
+    mis: Optional[tuple[float, float]] = None
+    """``(low, high)`` of the sequence-level masked IS (``algorithm.mis``); None disables it."""
     sft: bool = False
     """Supervised fine-tuning: the loss is the cross-entropy of the response tokens (``-log p``),
     aggregated like the policy loss; advantages and old log-probs are not needed (`megatron-dapo sft`)."""
@@ -80,6 +92,7 @@ class ObjectiveSettings:
             kl_coef=algorithm.kl.coef,
             kl_type=algorithm.kl.type,
             tis_cap=algorithm.tis_cap,
+            mis=(algorithm.mis.low, algorithm.mis.high) if algorithm.mis.enable else None,
             horizon=horizon,
         )
 
@@ -92,6 +105,17 @@ class GlobalCounts:
     num_seqs: float
     response_width: int
     """``R`` of the mini-batch: the default horizon of ``seq-mean-token-sum-norm``."""
+
+
+def loss_mask(batch: PolicyBatch, settings: ObjectiveSettings) -> torch.Tensor:
+    """``[n, R]`` bool: the tokens of ``batch`` that enter the loss under ``settings``.
+
+    The batch's loss mask less the sequences the masked IS rejects (``settings.mis``), decided
+    exactly as `micro_batch_objective` decides them: count the global loss tokens and sequences
+    from it. On the device of ``batch.old_log_probs`` when the mask applies."""
+    if settings.sft:
+        return batch.loss_mask()
+    return off_policy_loss_mask(batch.loss_mask(), batch.old_log_probs, batch.rollout_log_probs, settings.mis)
 
 
 def micro_batch_objective(
@@ -112,6 +136,13 @@ def micro_batch_objective(
     if not settings.sft and (mb.old_log_probs is None or mb.advantages is None):
         raise ValueError("the update needs old_log_probs and advantages in the PolicyBatch")
     mask = mb.loss_mask
+    mis_sums = torch.zeros(len(MIS_STAT_NAMES), dtype=torch.float64, device=log_probs.device)
+    if settings.mis is not None:
+        if mb.rollout_log_probs is None or mb.old_log_probs is None:
+            raise ValueError("algorithm.mis is set but the PolicyBatch carries no rollout_log_probs / old_log_probs")
+        # The batch's own log-probs (not cast to the model's dtype): the same decision as `loss_mask`.
+        rejection = sequence_mask(mb.old_log_probs, mb.rollout_log_probs, mask, *settings.mis)
+        mask, mis_sums = rejection.loss_mask, rejection.sums()
     agg = dict(
         mode=settings.loss_agg_mode,
         num_tokens=counts.num_tokens,
@@ -171,7 +202,7 @@ def micro_batch_objective(
                 tis_capped_sum.double(),
             ]
         )
-        sums = torch.cat([sums, policy_stats.to_tensor().to(sums.device)])
+        sums = torch.cat([sums, mis_sums.to(sums.device), policy_stats.to_tensor().to(sums.device)])
     return loss, sums
 
 
@@ -180,7 +211,9 @@ def summarise(sums: torch.Tensor) -> dict[str, float]:
 
     Keys: ``loss``, ``pg_loss``, ``entropy_loss``, ``kl_loss`` (the mini-batch objective terms under the
     aggregation mode), ``entropy`` and ``kl`` (token means), ``tis_weight_mean``, ``tis_capped_frac``,
+    ``mis_masked_frac``, ``mis_masked_token_frac``, ``mis_ratio_mean`` (`off_policy.masked_is_stats`),
     ``clipfrac``, ``clipfrac_high``, ``clipfrac_low``, ``dual_clipfrac``, ``approx_kl``, ``tokens``.
+    Means over tokens are over the tokens in the loss (after the masked IS).
     """
     if sums.shape != (len(STAT_NAMES),):
         raise ValueError(f"expected a statistics vector of {len(STAT_NAMES)} entries, got {tuple(sums.shape)}")
@@ -196,5 +229,7 @@ def summarise(sums: torch.Tensor) -> dict[str, float]:
         tis_capped_frac=float(named["tis_capped_sum"]) / per_token,
         tokens=tokens,
     )
+    mis = torch.stack([named[f"mis_{name}"] for name in MIS_STAT_NAMES])
+    out.update(masked_is_stats(mis, prefix="mis_"))
     out.update(policy.means())
     return out

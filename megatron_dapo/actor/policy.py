@@ -59,6 +59,7 @@ from megatron_dapo.actor.objective import (
     STAT_NAMES,
     GlobalCounts,
     ObjectiveSettings,
+    loss_mask,
     micro_batch_objective,
     summarise,
 )
@@ -347,8 +348,9 @@ class MegatronActor(ReferenceModel):
             )
 
     def global_counts(self, batch: PolicyBatch) -> GlobalCounts:
-        """Loss tokens and sequences of the mini-batch summed over the data-parallel ranks."""
-        tokens, seqs = count_tokens_and_seqs(batch.loss_mask())
+        """Loss tokens and sequences of the mini-batch summed over the data-parallel ranks (without the
+        sequences the masked IS rejects: they leave the token-mean's denominator, `objective.loss_mask`)."""
+        tokens, seqs = count_tokens_and_seqs(loss_mask(batch, self.objective))
         counts = torch.tensor([float(tokens), float(seqs)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self._dp_group())
         width = batch.response_width
@@ -449,6 +451,8 @@ class MegatronActor(ReferenceModel):
         metrics = {key: sum(step[key] for step in steps) / len(steps) for key in steps[0]}
         if self.objective.tis_cap is None:
             metrics.pop("tis_weight_mean"), metrics.pop("tis_capped_frac")
+        if self.objective.mis is None:
+            metrics.pop("mis_masked_frac"), metrics.pop("mis_masked_token_frac"), metrics.pop("mis_ratio_mean")
         if not self.objective.use_kl_loss:
             metrics.pop("kl"), metrics.pop("kl_loss")
         metrics.update(
@@ -486,7 +490,7 @@ def build_actor(
     objective = ObjectiveSettings.from_config(cfg.algorithm, horizon=cfg.rollout.max_response_length)
     if sft:
         settings = dataclasses.replace(settings, temperature=1.0)
-        objective = dataclasses.replace(objective, sft=True, entropy_coeff=0.0, use_kl_loss=False, tis_cap=None)
+        objective = dataclasses.replace(objective, sft=True, entropy_coeff=0.0, use_kl_loss=False, tis_cap=None, mis=None)
     return MegatronActor(wrapped, optimizer, scheduler, settings, objective, epochs=1 if sft else cfg.trainer.ppo_epochs)
 
 
