@@ -394,16 +394,19 @@ class TrainerConfig:
     """Optimizer-state format of the periodic and SIGTERM checkpoints (`checkpoint/optimizer_state.py`).
     `dp_reshardable` (Megatron-LM's default): every rank writes its own shard of the distributed
     optimizer, the weights are shared out among the data-parallel ranks, nothing is gathered; such a
-    checkpoint resumes at the same parallel.tp / pp / vpp (the DP size may change). `fully_reshardable`:
-    the optimizer state is gathered over gloo into DP rank 0's host memory and written from there, so it
-    resumes at any layout, but every save funnels the whole optimizer state (12 bytes per parameter)
-    through the nodes of DP rank 0. The weights of either convert to HF and load at any layout."""
+    checkpoint resumes at the same parallel.tp / pp / vpp (the DP size may change).
+    `fully_sharded_model_space`: every rank writes its own part too, but laid out like the model's
+    parameters (an index entry per parameter rather than per gradient bucket), so it resumes at any layout.
+    `fully_reshardable`: the same model-space tensors, gathered over gloo into DP rank 0's host memory and
+    written from there: every save funnels the whole optimizer state (12 bytes per parameter) through
+    the nodes of DP rank 0. The weights of each convert to HF and load at any layout."""
     final_checkpoint_reshardable: bool = True
-    """Write the checkpoint after the last step (trainer.total_steps) in the `fully_reshardable` format
-    whatever checkpoint_format says, so that a finished run can be continued at another layout (one slow
-    save per run); false keeps checkpoint_format for it too. When a node that gathers the optimizer
-    state (12 bytes per parameter of each DP rank 0's shard) has too little host memory available for
-    it, the final save keeps checkpoint_format and says so (`checkpoint/final_save.py`)."""
+    """Write the checkpoint after the last step (trainer.total_steps) so that it resumes at any layout,
+    whatever checkpoint_format says: `fully_reshardable` (Megatron's format) when the nodes of the ranks
+    that gather the optimizer state (12 bytes per parameter of their shards: dense DP rank 0, and
+    expert-DP rank 0 for the experts) have the host memory available for it, else
+    `fully_sharded_model_space` (every rank writes its own part, nothing gathered); the run says which
+    and why (`checkpoint/final_save.py`). false keeps checkpoint_format for it too."""
     checkpoint_write_threads: int = 2
     """Writer threads (one file each) per rank for checkpoint data, also used to checksum it. Parallel
     file systems (Lustre, GPFS) reach their bandwidth only with several streams per client."""
@@ -447,7 +450,7 @@ class Config:
 
 
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable")  # = checkpoint.optimizer_state.OPTIMIZER_FORMATS
+CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space")  # = checkpoint.optimizer_state.OPTIMIZER_FORMATS
 
 # --------------------------------------------------------------------------------------------
 # Loading
