@@ -169,9 +169,22 @@ def load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
     """
 
     inner = inner_optimizers(optimizer)
+    # A ChainedOptimizer's parts are saved under their indices (Megatron chains a second optimizer for
+    # the experts at parallel.ep > 1 only), a single optimizer's common state (param groups) at the top.
+    # What is loaded merges the saved common state with the tensors asked for by this run's optimizer.
+    def common(part: Any) -> bool:
+        return isinstance(part, dict) and ("optimizer" in part or "param_groups" in part)
+
+    saved = 1 if common(state_dict) else sum(1 for k, v in state_dict.items() if isinstance(k, int) and common(v))
+    if saved and saved != len(inner):
+        from megatron_dapo.checkpoint.torch_dist import CheckpointMismatchError
+
+        raise CheckpointMismatchError(
+            f"the checkpoint holds the state of {saved} optimizer(s), this run has {len(inner)}: Megatron gives the "
+            "experts an optimizer of their own at parallel.ep > 1 only, so the optimizer state of a MoE saved at EP > 1 "
+            "does not load at EP = 1 and vice versa; resume at an EP on the same side, or load the weights only"
+        )
     parts = [state_dict] if len(inner) == 1 else [state_dict[k] for k in sorted(state_dict)]
-    if len(parts) != len(inner):
-        raise CheckpointError(f"the checkpoint holds {len(parts)} optimizer(s), this run has {len(inner)}")
     for opt, part in zip(inner, parts):
         loader = _PARAM_STATE_LOADERS.get(part.get("param_state_sharding_type")) if isinstance(part, dict) else None
         if not isinstance(opt, DistributedOptimizer) or loader is None:

@@ -4,7 +4,9 @@
 single-process): HF -> Megatron (recorded for TP=2 x EP=2, checked with the logits check) -> HF,
 and saved training checkpoints -> HF. `expert_parallel_layouts` runs under torchrun: per layout it
 loads the converted checkpoint (logits vs HF) and saves the HF-loaded model as a training
-checkpoint at that layout. Raw results go back to pytest.
+checkpoint at that layout. `optimizer_state_across_expert_layouts` (torchrun) saves a trained MoE's
+optimizer state in both fully reshardable formats and loads each at other expert-parallel layouts.
+Raw results go back to pytest.
 """
 
 from __future__ import annotations
@@ -97,3 +99,46 @@ def expert_parallel_layouts(checkpoints: dict, hf_dirs: dict, layouts: list, sav
     finally:
         write_rank_result(out)
         teardown()
+
+
+def optimizer_state_across_expert_layouts(model_dir: str, root: str, save: dict, loads: list) -> None:
+    """Train a MoE 2 steps at `save` {tp, pp, ep} with the distributed optimizer, save step 2 in both
+    fully reshardable formats (`root`/<format>), train step 3 (the reference); then per layout of
+    `loads` and per format: fresh models and optimizer, load, digest of the optimizer state as loaded,
+    step 3's loss (a layout with "refused": the CheckpointMismatchError's message)."""
+    from megatron_dapo.checkpoint.core import load_checkpoint, save_checkpoint
+    from megatron_dapo.checkpoint.torch_dist import CheckpointMismatchError
+    from megatron_dapo.distributed import init_distributed, teardown
+    from megatron_dapo.distributed.layout import ParallelLayout
+    from tests.checkpoint._train_worker import _optimizer_digest, build_training, train_step
+
+    formats = ("fully_reshardable", "fully_sharded_model_space")
+
+    def layout(spec: dict):
+        parallel = ParallelLayout(tp=spec.get("tp", 1), pp=spec.get("pp", 1), ep=spec["ep"])
+        return init_distributed(parallel, timeout_s=240, seed=5).layout
+
+    out: dict = {"loads": {}}
+    with reporting(out):
+        models, optimizer, scheduler = build_training(model_dir, layout(save))
+        out["losses"] = {step: train_step(models, optimizer, scheduler, step) for step in (1, 2)}
+        for fmt in formats:
+            save_checkpoint(Path(root) / fmt, 2, models, optimizer, scheduler, optimizer_format=fmt)
+        out["losses"][3] = train_step(models, optimizer, scheduler, 3)
+        for spec in loads:
+            teardown(keep_process_group=True)
+            parallel = layout(spec)
+            entry = {}
+            for fmt in formats:
+                models, optimizer, scheduler = build_training(model_dir, parallel, load_hf=False)
+                if spec.get("refused"):
+                    try:
+                        load_checkpoint(Path(root) / fmt, models, optimizer, scheduler)
+                        entry[fmt] = {"error": None}
+                    except CheckpointMismatchError as err:
+                        entry[fmt] = {"error": str(err)}
+                    continue
+                loaded = load_checkpoint(Path(root) / fmt, models, optimizer, scheduler)
+                entry[fmt] = {"step": loaded.step, "sharding": loaded.metadata["contents"]["optimizer_sharding"],
+                              "digest": _optimizer_digest(optimizer), "loss3": train_step(models, optimizer, scheduler, 3)}  # fmt: skip
+            out["loads"][spec["name"]] = entry

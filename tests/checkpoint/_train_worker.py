@@ -133,11 +133,12 @@ def _rng_draw() -> list[float]:
 
 
 def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, local_root: str, dp_root: str,
-                   dp4_root: str) -> dict:
+                   dp4_root: str, ms_root: str) -> dict:
     """Steps 1-2 (saving after each, keep_last=1), steps 3-4 (reference), then a save that fails mid-way.
 
     `root` gets fully_reshardable checkpoints (resumable at any layout), `dp_root` dp_reshardable ones
-    of the same steps (keep_last=0: the corruption test falls back to step 1). Before training, a
+    of the same steps (keep_last=0: the corruption test falls back to step 1), `ms_root` step 2 in
+    fully_sharded_model_space (every rank writes its part, resumable at any layout). Before training, a
     model-only checkpoint (no optimizer / scheduler) goes to `weights_root`. Afterwards the same run
     with the non-distributed optimizer saves step 2 to `local_root`; then a run at TP=PP=1 (DP=4)
     saves step 2 dp_reshardable to `dp4_root` (resumed at DP=1 by `resume_then_crash`).
@@ -162,6 +163,9 @@ def train_and_save(model_dir: str, root: str, layout: dict, weights_root: str, l
             save_checkpoint(dp_root, step, models, optimizer, scheduler, hf_dir=model_dir,
                             trainer_state={"next_step": step + 1, "losses": dict(losses)},
                             config={"layout": layout, "lr": LR}, optimizer_format="dp_reshardable")  # fmt: skip
+        save_checkpoint(ms_root, 2, models, optimizer, scheduler, hf_dir=model_dir,
+                        trainer_state={"next_step": 3, "losses": dict(losses)},
+                        config={"layout": layout, "lr": LR}, optimizer_format="fully_sharded_model_space")  # fmt: skip
         out["rng_after_save"] = _rng_draw()
         for step in (3, 4):
             losses[step] = train_step(models, optimizer, scheduler, step)
@@ -245,14 +249,31 @@ def _corrupt_copy(source: str, target: str) -> str:
     return box[0]
 
 
+def _optimizer_digest(optimizer) -> str:
+    """SHA-256 of this rank's optimizer state in its own order: fp32 main parameters and Adam's moments."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state.get(param, {})
+                for tensor in (param, state.get("exp_avg"), state.get("exp_avg_sq")):
+                    if tensor is not None:
+                        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, weights_only_dir: str, local_root: str,
-                   dp_root: str) -> None:
+                   dp_root: str, ms_root: str) -> None:
     """For each layout: fresh model + optimizer, load the latest checkpoint, the steps after it up to 4.
     Then error cases.
 
     A layout's "source": "root" (fully_reshardable, the default), "local" (the non-distributed run in
-    `local_root`), "dp" (dp_reshardable, `dp_root`) or "dp_corrupt" (a copy of `dp_root` whose newest
-    checkpoint has garbage in one file: `load_latest_checkpoint` must fall back to the one before).
+    `local_root`), "dp" (dp_reshardable, `dp_root`), "ms" (fully_sharded_model_space, `ms_root`) or
+    "dp_corrupt" (a copy of `dp_root` whose newest checkpoint has garbage in one file:
+    `load_latest_checkpoint` must fall back to the one before). Each entry records a digest of the
+    optimizer state as loaded.
     """
     from megatron_dapo.checkpoint.core import load_checkpoint, load_latest_checkpoint
     from megatron_dapo.checkpoint.torch_dist import CheckpointLayoutError, CheckpointMismatchError
@@ -266,7 +287,7 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
             ctx, models, optimizer, scheduler = setup(
                 model_dir, spec, distributed_optimizer=spec.get("source") != "local", load_hf=False
             )
-            source = {"local": local_root, "dp": dp_root}.get(spec.get("source"), root)
+            source = {"local": local_root, "dp": dp_root, "ms": ms_root}.get(spec.get("source"), root)
             corrupted = None
             if spec.get("source") == "dp_corrupt":
                 source = str(Path(dp_root).parent / "dp_corrupt")
@@ -286,6 +307,8 @@ def resume_layouts(model_dir: str, root: str, layouts: list, qwen3_dir: str, wei
                 "notes": loaded.notes,
                 "trainer_state": loaded.trainer_state,
                 "config": loaded.metadata.get("config"),
+                "optimizer_sharding": loaded.metadata["contents"].get("optimizer_sharding"),
+                "optimizer_digest": _optimizer_digest(optimizer),
                 "losses": {},
             }
             for step in range(loaded.step + 1, 5):

@@ -4,19 +4,26 @@ Three launches on the tiny untied Qwen2 (see _train_worker.py for the training l
 1. 4 processes at TP=1 x PP=2 x DP=2: a model-only save (no optimizer) to another root, then
    steps 1-2 saving after each in both optimizer formats (fully_reshardable to `root` with
    keep_last=1, dp_reshardable to `dp_root`), steps 3-4 (the uninterrupted reference losses), then
-   a save at step 4 that raises while writing metadata.json on rank 0; then the same 4 steps with
+   a save at step 4 that raises while writing metadata.json on rank 0; step 2 is also saved
+   fully_sharded_model_space to `ms_root`; then the same 4 steps with
    the non-distributed optimizer, saving step 2 to a third root; then 4 steps at TP=PP=1 x DP=4
    saving step 2 dp_reshardable.
 2. 1 plain process (TP=PP=DP=1): resume from the latest checkpoint, step 3; resume the DP=4
    dp_reshardable checkpoint (DP changes 4 -> 1), steps 3-4; then `os._exit` half-way through saving
    step 3 (no clean-up runs).
 3. 4 processes, fresh models and optimizers: resume at the saving layout, at TP=2 x DP=2, at
-   TP=2 x PP=2 x DP=1, and (negative control) weights only; the same for a run with the
+   TP=2 x PP=2 x DP=1, and (negative control) weights only; the fully_sharded_model_space
+   checkpoint at TP=2 x DP=2 and TP=2 x PP=2 x DP=1; the same for a run with the
    non-distributed optimizer (same layout, TP=2 x DP=2); the dp_reshardable checkpoint at its
    layout, and a copy of it with garbage in one file of step 2 (resume falls back to step 1); run
    the steps after the checkpoint; then error cases (another model's shapes, optimizer state
    requested from the model-only checkpoint, distributed optimizer state into a non-distributed
    optimizer, dp_reshardable state at another TP / PP).
+
+4. 4 processes, the tiny Qwen2-MoE (4 experts, a shared expert): 2 steps at EP=2 (DP=4, expert-DP=2),
+   step 2 saved fully_reshardable and fully_sharded_model_space, step 3 the reference; each loaded at
+   EP=4 (expert-DP=1) and PP=2 x EP=2, and refused by name at EP=1
+   (`_moe_checkpoint_worker.optimizer_state_across_expert_layouts`).
 
 Tolerances: at the saving layout the resumed losses are bit-identical to the uninterrupted run
 (asserted to 1e-6); at other layouts TP / DP reductions change the float32 summation order and
@@ -35,6 +42,7 @@ from megatron_dapo.checkpoint import find_latest, is_complete_checkpoint, list_c
 from tests.support.torchrun_utils import run_torchrun_function
 
 WORKER = Path(__file__).parent / "_train_worker.py"
+MOE_WORKER = Path(__file__).parent / "_moe_checkpoint_worker.py"
 SAME_LAYOUT_TOL = 1e-6
 OTHER_LAYOUT_TOL = 1e-5
 SAVE_LAYOUT = {"tp": 1, "pp": 2}
@@ -45,8 +53,10 @@ RESUME_LAYOUTS = [
     {"name": "weights_only", "tp": 1, "pp": 2, "load_optimizer": False},
     {"name": "dp_same", "tp": 1, "pp": 2, "source": "dp"},
     {"name": "dp_fallback", "tp": 1, "pp": 2, "source": "dp_corrupt"},
+    {"name": "ms_tp2_dp2", "tp": 2, "pp": 1, "source": "ms"},
+    {"name": "ms_tp2_pp2_dp1", "tp": 2, "pp": 2, "source": "ms"},
     {"name": "local_same", "tp": 1, "pp": 2, "source": "local"},
-    {"name": "local_tp2_dp2", "tp": 2, "pp": 1, "source": "local"},
+    {"name": "local_tp2_dp2", "tp": 2, "pp": 1, "source": "local"},  # last: the error cases run at its layout
 ]
 
 
@@ -61,7 +71,7 @@ def trained(tiny_model_dirs, root):
         WORKER, "train_and_save", nproc=4, timeout=480,
         kwargs={"model_dir": str(tiny_model_dirs["qwen2"]), "root": str(root), "layout": SAVE_LAYOUT,
                 "weights_root": str(root.parent / "weights_only"), "local_root": str(root.parent / "local"),
-                "dp_root": str(root.parent / "dp"), "dp4_root": str(root.parent / "dp4")},
+                "dp_root": str(root.parent / "dp"), "dp4_root": str(root.parent / "dp4"), "ms_root": str(root.parent / "ms")},
     )  # fmt: skip
     result.check()
     listing = sorted(p.name for p in root.iterdir())
@@ -83,7 +93,7 @@ def resumed(tiny_model_dirs, root, crashed):
         WORKER, "resume_layouts", nproc=4, timeout=540,
         kwargs={"model_dir": str(tiny_model_dirs["qwen2"]), "root": str(root), "layouts": RESUME_LAYOUTS,
                 "qwen3_dir": str(tiny_model_dirs["qwen3"]), "weights_only_dir": str(root.parent / "weights_only"),
-                "local_root": str(root.parent / "local"), "dp_root": str(root.parent / "dp")},
+                "local_root": str(root.parent / "local"), "dp_root": str(root.parent / "dp"), "ms_root": str(root.parent / "ms")},
     )  # fmt: skip
     result.check()
     return result.rank_results
@@ -266,3 +276,116 @@ def test_resume_falls_back_from_a_corrupt_checkpoint_under_torchrun(resumed, tra
         assert any(n.startswith("skipped ") for n in entry["notes"])
         for step in ("2", "3", "4"):
             assert abs(entry["losses"][step] - reference[step]) <= SAME_LAYOUT_TOL, (rank, step, entry["losses"], reference)
+
+
+# ------------------------------------------------------------------ fully_sharded_model_space
+
+
+def _full_tensors(checkpoint: Path, scratch: Path) -> dict:
+    """Every tensor of a checkpoint, whole (DCP's offline conversion, no process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = scratch / f"{checkpoint.parent.name}.pt"
+    dcp_to_torch_save(str(checkpoint / "dist"), str(target))
+    return {k: v for k, v in torch.load(target, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+def test_model_space_save_is_spread_and_holds_the_fully_reshardable_tensors(trained, root, tmp_path):
+    """Item 26.7: the fully_sharded_model_space save has every rank write its own part of the optimizer
+    state (fully_reshardable gathers it all into the DP-rank-0 ranks), and the tensors it holds are
+    those of the fully_reshardable checkpoint of the same step, key for key, bit for bit."""
+    import torch
+
+    results, _ = trained
+    dp_rank = {rank: r["dp_rank"] for rank, r in enumerate(results)}
+    model_space = root.parent / "ms" / "step_00000002"
+    meta = json.loads((model_space / "metadata.json").read_text())
+    assert meta["contents"]["optimizer_sharding"] == "fully_sharded_model_space"
+    _, fully_optimizer = _bytes_per_rank(root / "step_00000002")
+    _, spread_optimizer = _bytes_per_rank(model_space)
+    assert all(fully_optimizer.get(r, 0) == 0 for r in range(4) if dp_rank[r] == 1), fully_optimizer
+    assert len(spread_optimizer) == 4 and min(spread_optimizer.values()) > 0.8 * max(spread_optimizer.values()), spread_optimizer
+    for rank in range(4):
+        assert len(list((model_space / "dist").glob(f"__{rank}_*.distcp"))) == 2
+    fully, spread = _full_tensors(root / "step_00000002", tmp_path), _full_tensors(model_space, tmp_path)
+    assert sorted(spread) == sorted(fully)
+    state_keys = [k for k in fully if k.startswith("optimizer.state.")]
+    assert {k.split(".")[2] for k in state_keys} == {"param", "exp_avg", "exp_avg_sq"}
+    assert len(state_keys) == 3 * len([k for k in fully if not k.startswith("optimizer.")]), sorted(fully)
+    for key, tensor in fully.items():
+        assert spread[key].dtype == tensor.dtype and torch.equal(spread[key], tensor), key
+
+
+@pytest.mark.parametrize("layout, reference", [("ms_tp2_dp2", "tp2_dp2"), ("ms_tp2_pp2_dp1", "tp2_pp2_dp1")])
+def test_model_space_resumes_at_another_layout_like_fully_reshardable(layout, reference, resumed, trained):
+    """Saved at TP=1 x PP=2 x DP=2, loaded at TP=2 (and PP=1 or DP=1): every rank's optimizer state as
+    loaded is bit-identical to what the fully_reshardable checkpoint of the same step loads there,
+    and so are the losses of the steps after it (within the cross-layout tolerance of the
+    uninterrupted run's)."""
+    uninterrupted = trained[0][0]["losses"]
+    for rank, result in enumerate(resumed):
+        entry, fully = result["layouts"][layout], result["layouts"][reference]
+        assert entry["optimizer_sharding"] == "fully_sharded_model_space" and fully["optimizer_sharding"] == "fully_reshardable"
+        assert entry["step"] == 2 and entry["optimizer_loaded"] and entry["scheduler_loaded"] and not entry["rng_restored"]
+        assert entry["optimizer_digest"] == fully["optimizer_digest"], (rank, layout)
+        assert entry["losses"] == fully["losses"], (rank, layout, entry["losses"], fully["losses"])
+        for step in ("3", "4"):
+            assert abs(entry["losses"][step] - uninterrupted[step]) <= OTHER_LAYOUT_TOL, (rank, layout, step)
+    # The digest sees a missing optimizer state: the weights-only resume at the saving layout differs.
+    assert resumed[0]["layouts"]["weights_only"]["optimizer_digest"] != resumed[0]["layouts"]["same"]["optimizer_digest"]
+
+
+MOE_SAVE = {"ep": 2}
+MOE_LOADS = [{"name": "ep4", "ep": 4}, {"name": "pp2_ep2", "pp": 2, "ep": 2}, {"name": "ep1", "ep": 1, "refused": True}]
+# EP=1 is refused: Megatron gives the experts an optimizer of their own only at EP > 1, and the state
+# of a ChainedOptimizer of two does not load into one (either fully reshardable format).
+RESUMED_MOE_LOADS = [spec["name"] for spec in MOE_LOADS if not spec.get("refused")]
+
+
+@pytest.fixture(scope="module")
+def moe_formats(tmp_path_factory) -> tuple[Path, list]:
+    from tests.support.tiny_models import save_tiny_model
+
+    work = tmp_path_factory.mktemp("moe_formats")
+    model_dir = save_tiny_model("qwen2_moe", work / "hf", seed=11)
+    result = run_torchrun_function(
+        MOE_WORKER, "optimizer_state_across_expert_layouts", nproc=4, timeout=480,
+        kwargs={"model_dir": str(model_dir), "root": str(work / "checkpoints"), "save": MOE_SAVE, "loads": MOE_LOADS},
+    )  # fmt: skip
+    result.check()
+    return work / "checkpoints", result.rank_results
+
+
+def test_model_space_moe_checkpoint_holds_the_fully_reshardable_tensors(moe_formats, tmp_path):
+    """Experts are sharded over the expert data-parallel group and saved under a prepended expert
+    axis: the model-space save of them is still the fully_reshardable tensors, bit for bit."""
+    import torch
+
+    root, _ = moe_formats
+    fully = _full_tensors(root / "fully_reshardable" / "step_00000002", tmp_path)
+    spread = _full_tensors(root / "fully_sharded_model_space" / "step_00000002", tmp_path)
+    assert sorted(spread) == sorted(fully)
+    experts = [k for k in fully if k.startswith("optimizer.state.exp_avg.") and ".experts." in k]
+    assert experts and any("shared_experts" in k for k in fully), sorted(fully)
+    for key, tensor in fully.items():
+        assert torch.equal(spread[key], tensor), key
+
+
+@pytest.mark.parametrize("layout", RESUMED_MOE_LOADS)
+def test_model_space_moe_resumes_at_another_expert_layout_like_fully_reshardable(layout, moe_formats):
+    _, results = moe_formats
+    reference = results[0]["losses"]["3"]
+    for rank, result in enumerate(results):
+        fully, spread = result["loads"][layout]["fully_reshardable"], result["loads"][layout]["fully_sharded_model_space"]
+        assert (fully["sharding"], spread["sharding"]) == ("fully_reshardable", "fully_sharded_model_space")
+        assert spread["step"] == 2 and spread["digest"] == fully["digest"], (rank, layout)
+        assert spread["loss3"] == fully["loss3"] and abs(spread["loss3"] - reference) <= OTHER_LAYOUT_TOL, (rank, layout, spread, reference)
+
+
+def test_moe_optimizer_state_saved_at_ep2_is_refused_by_name_at_ep1(moe_formats):
+    _, results = moe_formats
+    for result in results:
+        for fmt, entry in result["loads"]["ep1"].items():
+            assert entry["error"] and "holds the state of 2 optimizer(s), this run has 1" in entry["error"], (fmt, entry)
+            assert "parallel.ep > 1" in entry["error"] and "weights only" in entry["error"]

@@ -233,3 +233,19 @@ def test_sharding_metadata():
     assert sharding_metadata("fully_sharded_model_space")["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     with pytest.raises(ValueError, match="unknown optimizer checkpoint format"):
         sharding_metadata("fully_sharded_bucket_space")
+
+
+def test_optimizer_state_of_another_number_of_optimizers_is_refused_by_name():
+    """A MoE's optimizer is a chain of two at EP > 1 (dense, experts) and one at EP = 1: the saved
+    common state says how many there were (the launch test refuses EP 2 -> 1; here EP 1 -> 2)."""
+    import types
+
+    from megatron_dapo.checkpoint.optimizer_state import load_optimizer_state
+    from megatron_dapo.checkpoint.torch_dist import CheckpointMismatchError
+
+    single = {"optimizer": {"param_groups": []}, "param_state": {}, "param_state_sharding_type": "fully_reshardable"}
+    chain = types.SimpleNamespace(chained_optimizers=[object(), object()])
+    with pytest.raises(CheckpointMismatchError, match=r"holds the state of 1 optimizer\(s\), this run has 2"):
+        load_optimizer_state(chain, {**single, 0: {"param_state": {}}, 1: {"param_state": {}}})
+    with pytest.raises(CheckpointMismatchError, match=r"holds the state of 2 optimizer\(s\), this run has 1.*parallel.ep > 1"):
+        load_optimizer_state(types.SimpleNamespace(), {0: single, 1: single, "param_state": {}})

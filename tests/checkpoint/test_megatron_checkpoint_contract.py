@@ -17,6 +17,16 @@ What `checkpoint/torch_dist.py` and `checkpoint/optimizer_state.py` rely on:
   `metadata["distrib_optim_sharding_type"]` in {dp_reshardable, fully_reshardable}, the loaders
   `load_parameter_state_from_dp_reshardable` / `_fully_reshardable`, and the attributes
   `per_bucket_numel_unpadded` and `data_parallel_group_idx`.
+
+What `checkpoint/model_space.py` (the `fully_sharded_model_space` format, built here) relies on:
+- Megatron lists `fully_sharded_model_space` in `DistributedOptimizer.checkpoint_fully_reshardable_formats`
+  (so a ChainedOptimizer adds no key prefix for it, as for `fully_reshardable`, and Megatron-LM treats
+  it as loadable at any layout);
+- the distributed optimizer's `gbuf_ranges` ("param_map" -> "param" ranges),
+  `_get_main_param_and_optimizer_states` / `_set_main_param_and_optimizer_states`,
+  `distributed_optimizer_instance_id`, `state_dict` / `load_state_dict`;
+- uneven sharding in the torch_dist translation (`has_regular_grid` false: `LocalShardsContainer`
+  of `CheckpointableShardedTensor`s, several chunks per rank and key).
 """
 
 from __future__ import annotations
@@ -112,3 +122,33 @@ def test_distributed_optimizer_formats(root):
     # The reason `load_optimizer_state` hides Adam's "step": the loaders copy into every state key.
     setter = ast.unparse(_function(tree, "_set_main_param_and_optimizer_states", cls))
     assert "for key in dst_tensors" in setter
+
+
+def _class_attribute(tree: ast.AST, cls: str, name: str) -> ast.AST:
+    scope = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    for node in scope.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node.value
+    raise AssertionError(f"{cls}.{name} not found")
+
+
+@pytest.mark.parametrize("root", ROOTS)
+def test_model_space_format(root):
+    tree = _module(root, "optimizer/distrib_optimizer.py")
+    cls = "DistributedOptimizer"
+    formats = ast.literal_eval(_class_attribute(tree, cls, "checkpoint_fully_reshardable_formats"))
+    assert {"fully_reshardable", "fully_sharded_model_space"} <= set(formats), formats
+    getter = ast.unparse(_function(tree, "_get_main_param_and_optimizer_states", cls))
+    assert _args(_function(tree, "_get_main_param_and_optimizer_states", cls))[1:] == ["model_param"]
+    assert _args(_function(tree, "_set_main_param_and_optimizer_states", cls))[1:] == ["model_param", "tensors"]
+    assert "'param'" in getter or '"param"' in getter
+    init = ast.unparse(_function(tree, "__init__", cls))
+    assert "self.gbuf_ranges" in init and "distributed_optimizer_instance_id" in init
+    assert "'param_map'" in ast.unparse(_function(tree, "_build_model_gbuf_range", cls))
+    assert "'param':" in ast.unparse(_function(tree, "_build_model_gbuf_param_range_map", cls))  # {"param": Range, ...}
+    _function(tree, "state_dict", cls), _function(tree, "load_state_dict", cls)
+    chained = ast.unparse(_function(_module(root, "optimizer/optimizer.py"), "sharded_state_dict", "ChainedOptimizer"))
+    assert "checkpoint_fully_reshardable_formats" in chained
+    translate = ast.unparse(_function(_module(root, "dist_checkpointing/strategies/torch.py"), "mcore_to_pyt_state_dict"))
+    assert "has_regular_grid" in translate and "LocalShardsContainer" in translate and "CheckpointableShardedTensor" in translate
