@@ -31,7 +31,8 @@ generation batch at once instead of finishing it): its outcome is one store key,
 rank of the meeting takes the same way out (`MeetingCalledOff`, or on as usual). Only meetings
 waited for inside `calling_off_when(predicate)` call themselves off (when `predicate()` turns true);
 a rank elsewhere can call off the next one with `call_off` (the trainer's SIGTERM handler, while its
-rank generates).
+rank generates), and ask whether another rank did with `called_off` (an spmd engine's ranks, between
+engine steps: one store read).
 
 `window_s` is `rollout.liveness_window_s` (`configure`). The cost: one store operation per poll per
 waiting rank, and, per check, one per rank not yet arrived (the engine leaders, typically); every
@@ -237,6 +238,18 @@ def call_off(stream: str) -> bool:
         return False
     _heart.waits.call(_settings.window_s, "add", f"count/{stream}/{n}", CALLED_OFF)  # wakes the waiters
     return True
+
+
+def called_off(stream: str) -> bool:
+    """Whether `stream`'s meeting this rank waits in, or else its next one, is called off already
+    (by any rank): one store read of its arrival count, no wait and no arrival. False without a
+    beat. For a rank busy elsewhere that should stop as soon as another rank called the meeting off
+    (an spmd engine's vote between its steps: `SigtermFlag.votes_to_call_off`). Safe in any thread
+    (the store call goes through the helper thread; `RankUnresponsive` if the store does not answer)."""
+    if _heart is None:
+        return False
+    n = _waiting_in.get(stream, _meetings.get(stream, 0))
+    return int(_heart.waits.call(_settings.window_s, "add", f"count/{stream}/{n}", 0)) >= CALLED_OFF
 
 
 def start_beating(store: Optional[Any] = None, rank: Optional[int] = None) -> bool:

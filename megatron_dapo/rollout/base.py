@@ -31,6 +31,13 @@ def check_memory_tags(tags: Optional[Sequence[str]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(tags))
 
 
+class GenerationCalledOff(RuntimeError):
+    """A `generate` left before its batch was done because its `call_off` predicate turned true
+    (`VLLMEngine.generate` in the spmd placement: the engine's TP group agreed to stop, every rank
+    of it raises this). The engine aborted the batch's requests and is ready for the next call; the
+    batch's results are lost."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1

@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -251,17 +251,25 @@ class RolloutGroup:
         """Into how many shares the prompts are split (engines generating independently)."""
         return self.spmd.data_size if self.spmd is not None else data_parallel_rank_and_size()[1]
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> Optional[GenerationOutput]:
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, call_off: Optional[Callable[[], bool]] = None
+    ) -> Optional[GenerationOutput]:
         """Generate where this rank takes part; the result only where `is_leader`, None elsewhere.
 
         spmd: every rank of a rollout-TP group must call this with the same prompts and params.
+        `call_off` (spmd only): this rank's vote to abandon the batch, asked every few engine steps
+        on every rank of the group; once any votes yes, all of them raise `GenerationCalledOff`
+        (`VLLMEngine.generate`). In the leader placement a generate can be left without one.
         """
+        if call_off is not None and self.spmd is None:
+            raise ValueError("call_off is for the spmd placement")
         if self.engine is None:
             return None
+        stop = {} if call_off is None else {"call_off": call_off}
         if self.spmd is not None and not self.is_leader:
             # Only the group's first rank hands its results on: the others skip reading vLLM's outputs.
-            return self.engine.generate(prompt_ids, params, collect=False)
-        return self.engine.generate(prompt_ids, params)
+            return self.engine.generate(prompt_ids, params, collect=False, **stop)
+        return self.engine.generate(prompt_ids, params, **stop)
 
     def sync_weights(self, models: Sequence[torch.nn.Module], hf_config: Any, bucket_mb: float) -> SyncStats:
         """Push the actor's weights into the engine(s) (collective over every rank; see the module doc)."""

@@ -209,13 +209,11 @@ class DAPOTrainer:
             stop=tuple(r.stop), seed=generation_seed(r.seed, self.step, gen_index, share), seed_per_prompt=r.seed_per_prompt,
             return_routed_experts=self.engine_routing,
         )  # fmt: skip
-        # In the leader placement an engine's generate holds no collective with other ranks: a SIGTERM
-        # may abandon it (spmd engines' ranks generate together: they finish the batch).
-        interruptible = self._may_call_off() and self.rollout.placement == "leader"
+        during, call_off = self._generation_call_off()
         local = generate_and_score(
             self.rollout, self.reward, [self.train_data[i] for i in indices], params,
             uid_prefix=f"s{self.step}g{gen_index}r{share}p", routing_dtype=self.routing_dtype,
-            during_generate=self.sigterm.interruptible if interruptible else nullcontext,
+            during_generate=during, call_off=call_off,
         )  # fmt: skip
         return gather_samples(local, order_key=share, routing_store=self.routing_store)
 
@@ -353,6 +351,21 @@ class DAPOTrainer:
         disk already (the previous step was saved), so that leaving at once loses nothing. The same on
         every rank."""
         return self._last_saved_step is not None and self._last_saved_step == self.step - 1
+
+    def _generation_call_off(self):
+        """(context around the engine's generate, the spmd engine's `call_off` vote or None): how a
+        SIGTERM leaves this generation batch when it may (`_may_call_off`). In the leader placement an
+        engine's generate holds no collective with other ranks: the signal handler abandons it at
+        once. An spmd engine's ranks step together: each votes every `CALL_OFF_CHECK_STEPS` engine
+        steps (its SIGTERM, or the gather meeting called off by another rank) and the group stops at
+        the same step (SIGTERM to exit: those steps, one store read and the exit)."""
+        if not self._may_call_off():
+            return nullcontext, None
+        if self.rollout.placement == "leader":
+            return self.sigterm.interruptible, None
+        if self.rollout.placement == "spmd":
+            return self.sigterm.calling_off_generation, self.sigterm.votes_to_call_off
+        return nullcontext, None
 
     def _call_off_on_sigterm(self):
         """Around a generation batch: the meetings after it are called off on SIGTERM (`_may_call_off`)."""

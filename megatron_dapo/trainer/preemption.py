@@ -10,17 +10,25 @@ of its results), before the update, and after the step.
 * After the step the step is finished (weight sync, metrics) and saved.
 
 * During generation, when the step's start is on disk already (the previous step was saved), the
-  ranks do not finish the generation batch: it is called off at once (`SigtermFlag.interruptible`
-  around an engine's generate in the leader placement, `liveness.calling_off_when` around the
-  meetings after it) and every rank leaves with that checkpoint as the resume point. The ranks agree
-  through the store: the gather meeting's outcome is either "off" or "done", set once for all.
+  ranks do not finish the generation batch: it is called off at once and every rank leaves with that
+  checkpoint as the resume point. The ranks agree through the store: the gather meeting's outcome is
+  either "off" or "done", set once for all. How a generating rank leaves depends on the placement:
+  - leader: an engine's generate holds no collective with other ranks, so the signal handler leaves
+    it at once (`SigtermFlag.interruptible`);
+  - spmd: the ranks of a rollout-TP group step their engine shards together and none can leave
+    mid-step alone, so each votes between engine steps (`SigtermFlag.votes_to_call_off`: its own
+    SIGTERM, or the gather meeting called off by another rank, e.g. another rollout replica's)
+    every `CALL_OFF_CHECK_STEPS` steps, the group agrees over its TP group, aborts the batch and
+    leaves together (`SigtermFlag.calling_off_generation`);
+  and the ranks already waiting in the gather meeting leave it (`liveness.calling_off_when`).
 
 Either way the process exits with code 143 (`TrainingInterrupted`). The exit save needs no
 engine (`GpuHandover.actor_for_exit`: it never gives the GPU back), and the engine's own processes
 never see the SIGTERM (`process_state.sigterm_ignored_by_new_processes`). The time from SIGTERM to
-exit is therefore seconds during generation (with the step's start saved), else what is left of the
-current generation batch or of the update, weight sync and validation, plus one checkpoint write:
-the lead time of `#SBATCH --signal=TERM@N` must cover it (slurm/README.md).
+exit is therefore seconds during generation with the step's start saved (leader: at once; spmd: up
+to `CALL_OFF_CHECK_STEPS` engine steps, plus one store read and the exit), else what is left of
+the current generation batch or of the update, weight sync and validation, plus one checkpoint
+write: the lead time of `#SBATCH --signal=TERM@N` must cover it (slurm/README.md).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Iterator, Optional
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
 from megatron_dapo.distributed import liveness
 from megatron_dapo.distributed.objects import any_rank
+from megatron_dapo.rollout.base import GenerationCalledOff
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: the job was asked to stop and left a checkpoint
 
@@ -84,6 +93,27 @@ class SigtermFlag:
         if liveness.call_off(liveness.GATHER):  # False: the meeting completed, finish as usual
             self._interruptible = False
             raise liveness.MeetingCalledOff("SIGTERM while generating: this generation batch is called off")
+
+    def votes_to_call_off(self) -> bool:
+        """This rank's vote, between an spmd engine's steps (`VLLMEngine.generate`'s `call_off`), to
+        call the generation batch off: this process received SIGTERM, or the world's gather meeting
+        after the batch is called off already (another rank's SIGTERM reached it first: another
+        rollout-TP group's rank, or one of this group between two checks). One store read at most."""
+        return self.received or liveness.called_off(liveness.GATHER)
+
+    @contextmanager
+    def calling_off_generation(self) -> Iterator[None]:
+        """Around an spmd engine's generate given `votes_to_call_off`: when the engine's group agreed
+        to stop (`GenerationCalledOff`, raised on each of its ranks at the same engine step), call
+        off the gather meeting that follows for every rank (`liveness.call_off`: the ranks waiting
+        in it leave it, the other groups' ranks vote yes at their next check) and raise
+        `MeetingCalledOff` here, as `interruptible` does in the leader placement. This rank has not
+        arrived at that meeting, so it cannot have completed: it is off for every rank."""
+        try:
+            yield
+        except GenerationCalledOff as stop:
+            liveness.call_off(liveness.GATHER)  # False only without a beat (no store, no other rank)
+            raise liveness.MeetingCalledOff(f"SIGTERM while generating: this generation batch is called off ({stop})") from stop
 
     def seconds_since(self) -> Optional[float]:
         """Seconds since this process's SIGTERM (None where another rank's made the run stop)."""

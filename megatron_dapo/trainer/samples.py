@@ -114,6 +114,7 @@ def generate_and_score(
     apply_overlong: bool = True,
     routing_dtype: torch.dtype = torch.int32,
     during_generate: Callable[[], ContextManager] = contextlib.nullcontext,
+    call_off: Optional[Callable[[], bool]] = None,
 ) -> Optional[Samples]:
     """Generate `params.n` responses per example and score them where `rollout.is_leader`; None elsewhere.
 
@@ -121,13 +122,17 @@ def generate_and_score(
     of example i is ``f"{uid_prefix}{i}"``. Routed experts, when the engine returns them, are kept
     in host memory as `routing_dtype` (`actor.routing.routing_dtype` of the model: 1 byte an entry
     up to 128 experts). `during_generate()` is entered around the engine's generate (the trainer's
-    `SigtermFlag.interruptible`, where a SIGTERM may abandon it).
+    `SigtermFlag.interruptible`, where a SIGTERM may abandon it; `SigtermFlag.calling_off_generation`
+    in the spmd placement). `call_off` (spmd placement only) goes to `rollout.generate`: this rank's
+    vote, asked every few engine steps, to abandon the batch (`GenerationCalledOff` on every rank of
+    the engine).
     """
     if not examples:
         return Samples.concat([]) if rollout.is_leader else None
     # Every rank calls generate: in the spmd placement all ranks of an engine generate together.
     with during_generate():
-        out = rollout.generate([ex.prompt_ids for ex in examples], params)
+        stop = {} if call_off is None else {"call_off": call_off}
+        out = rollout.generate([ex.prompt_ids for ex in examples], params, **stop)
     if out is None:
         return None
     owners = [examples[i] for i in out.prompt_index]
