@@ -450,6 +450,14 @@ MEGATRON_CORE = Requirement(
                 "mcore_to_pyt_state_dict",
             )
         ),
+        # The fully_sharded_model_space optimizer format (checkpoint/model_space.py): uneven-sharding
+        # boxes of the model tensors; the final save's memory check (trainer/checkpointing.py).
+        Probe(f"{_DIST_CKPT}.utils", "extract_sharded_tensors_and_factories"),
+        Probe(f"{_DIST_CKPT}.mapping", "ShardedTensor", parameters=(
+            "key", "data", "dtype", "local_shape", "global_shape", "global_offset", "axis_fragmentations", "replica_id",
+            "prepend_axis_num", "allow_shape_mismatch")),  # fmt: skip
+        Probe("megatron.core.parallel_state", "get_data_parallel_rank", parameters=("with_context_parallel",)),
+        Probe("megatron.core.parallel_state", "get_expert_data_parallel_rank"),
     ),
 )
 
