@@ -120,11 +120,12 @@ CALL_OFF_CHECK_STEPS = 16
 """An spmd `generate` with a `call_off` predicate asks it every this many engine steps. A step
 count, not a clock: the answer is agreed on by a collective over the engine's TP group, so every
 rank must ask at the same point of the batch, and the ranks step in lockstep (one vLLM step is one
-forward of the whole group) while their clocks do not. 16 keeps both sides small: the check (the
-predicate, e.g. one store read, and an all-reduce of one integer over vLLM's gloo TP group, each
-about a millisecond) costs under 1 % of 16 decode steps even of a tiny model on CPU (a few ms a
-step) and nothing measurable at 20-100 ms a step on GPUs, while a call-off waits at most 16 steps:
-well under a second to a couple of seconds for a large model, far inside SLURM's signal lead time."""
+forward of the whole group) while their clocks do not. 16 keeps both sides small: a check (the
+trainer's predicate, one store read, and an all-reduce of one integer over vLLM's gloo TP group)
+took 1.5 ms on the 2-core test VM, 1-2 % of 16 decode steps of a tiny model on CPU (6-9 ms each,
+docs/PERF.md) and under 0.5 % at the 20-100 ms a decode step of a large model on GPUs; a call-off
+waits at most 16 steps: a tenth of a second on CPU here, about 0.3-1.6 s for a large model (more
+where a step is a long prefill), far inside SLURM's signal lead time."""
 
 
 def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int]) -> str:
