@@ -16,8 +16,10 @@ finished run continues at any TP / PP / VPP / EP / DP. Two optimizer formats do 
 The final save uses `fully_reshardable` where it fits and `fully_sharded_model_space` otherwise: before
 the save every rank reports its node, how many parameters' state it would receive, and the node's
 available memory; `final_save_fits` decides (pure, the same on every rank). `fully_reshardable` is kept
-where it fits because it is Megatron-LM's own format (`--dist-ckpt-optim-fully-reshardable`), which
-Megatron-LM reads as it is; this project reads both.
+where it fits as Megatron's own, long-standing path; the model-space format is faster to write and to
+read (docs/PERF.md), and lighter to load: Megatron's `fully_reshardable` loader has every rank read its
+whole TP x PP slice of the state into host memory (12 bytes per parameter of the slice, on every node),
+the model-space loader each rank's own part.
 """
 
 from __future__ import annotations
