@@ -250,6 +250,23 @@ class DynamicSamplingBuffer:
         fresh = sum(1 for value in (values.tolist() if isinstance(values, torch.Tensor) else values) if value >= oldest)
         return fresh // self.n_samples_per_prompt
 
+    def carried_state(self) -> Optional[dict]:
+        """After `take`: the carried groups ({"groups": count, "fields": {name: values}}), None
+        without any; `restore_carried` puts them back (a resumed asynchronous run)."""
+        if not self._taken or self._carried is None:
+            return None
+        return {"groups": self._carried_groups, "fields": dict(self._carried)}
+
+    def restore_carried(self, state: Optional[dict]) -> None:
+        """The carried groups of `carried_state`, as if the step before had just been taken."""
+        if self._stored_groups or self._parts:
+            raise RuntimeError("the buffer holds groups already: restore carried groups into a fresh one")
+        self._carried = None if state is None else dict(state["fields"])
+        self._carried_groups = 0 if state is None else int(state["groups"])
+        if self._carried is not None:
+            self._fields = tuple(self._carried)
+        self._taken = True
+
     def note_stale(self, num_groups: int) -> None:
         """Count groups dropped before `add` because their weights were too old (``num_groups_stale_dropped``)."""
         if self._taken:

@@ -43,7 +43,7 @@ from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.distributed.setup import teardown
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.tracking import ProgressBar
-from megatron_dapo.trainer import metrics, validation
+from megatron_dapo.trainer import async_state, metrics, validation
 from megatron_dapo.trainer.checkpointing import resume_run, save_run_checkpoint
 from megatron_dapo.trainer.handover import start_engine
 from megatron_dapo.trainer.metrics import Phase
@@ -97,6 +97,7 @@ class DAPOTrainer:
             weight_version=self.step,
         )  # fmt: skip
         self.rollout = self.handover.rollout
+        self._restore_async()
         self.say_rank0(
             f"weight sync: {self.rollout.sync_mode} (rollout.weight_sync_mode={cfg.rollout.weight_sync_mode}), "
             f"{first_push.seconds:.2f} s for the first push"
@@ -338,8 +339,12 @@ class DAPOTrainer:
 
         The actor has not changed yet, so the checkpoint is the previous step's, with the prompt
         sampler and the RNGs put back to where this step began: `--resume` redoes the step with the
-        same prompts and seeds. Call it only where the ranks are in step (`SigtermFlag.asked`)."""
-        if not self.sigterm.asked():
+        same prompts and seeds. Call it only where the ranks are in step (`SigtermFlag.asked`).
+
+        Asynchronous training finishes the step instead (and stops after its save, in `fit`): the
+        batches handed out ahead and the groups carried over belong to the step's end, where the
+        checkpoint keeps them (`async_state`); the step's start is not on disk with them."""
+        if self.max_staleness or not self.sigterm.asked():
             return
         interrupted = self.step
         self.step -= 1
@@ -400,7 +405,11 @@ class DAPOTrainer:
             return None
         moves = self.handover.actor_for_exit() if exiting else self.handover.actor_on_gpu()
         with moves:  # the checkpoint reads the actor's state
-            path = save_run_checkpoint(self.checkpoint_root, self.step, self.actor, self.sampler, self.cfg)
+            files = None
+            if self.max_staleness:  # the samples generated ahead go with it (`async_state`)
+                state = async_state.capture(self.rollout, self.buffer, getattr(self, "_kept_per_batch", None), self._gen_indices)
+                files = {async_state.ASYNC_STATE_FILE: lambda path: async_state.save(state, path)}
+            path = save_run_checkpoint(self.checkpoint_root, self.step, self.actor, self.sampler, self.cfg, rank0_files=files)
         self._last_saved_step = self.step
         self.plot()  # a run killed later still has its curves up to here
         return path
@@ -410,10 +419,22 @@ class DAPOTrainer:
         if resumed is None:
             self.say_rank0(f"--resume: no checkpoint under {self.checkpoint_root}; starting from step 0")
             return False
-        self.step, message = resumed
+        self.step, message, path = resumed
         self._last_saved_step = self.step
+        if self.max_staleness:  # put back after the engines start (`_restore_async`)
+            self._async_restore = async_state.load(path)
         self.say_rank0(message)
         return True
+
+    def _restore_async(self) -> None:
+        """A resumed asynchronous run: the batches in flight and the carried groups of its checkpoint."""
+        state = getattr(self, "_async_restore", None)
+        if state is None:
+            return
+        kept_per_batch, self._gen_indices = async_state.restore(state, self.rollout, self.buffer, head=self.rollout.bridge is not None)
+        if kept_per_batch is not None:
+            self._kept_per_batch = kept_per_batch
+        self._async_restore = None
 
     def plot(self) -> Optional[Path]:
         return plot_run(self.cfg, self.runtime.output_dir, say=self.say) if self.rank0 else None

@@ -155,6 +155,21 @@ class RemoteRollout:
             raise RuntimeError("no generation batch in flight: submit one first")
         return self._samples(self._inflight.popleft(), routing_store)
 
+    def receive_all(self) -> None:
+        """The head: read the results of every batch in flight (they stay in flight, results kept)."""
+        for batch in self._inflight:
+            self._receive(batch)
+
+    def inflight_batches(self) -> list[InFlight]:
+        return list(self._inflight)
+
+    def restore_inflight(self, batches: Sequence[InFlight]) -> None:
+        """A resumed run: batches handed out before the checkpoint, with their results on the head
+        (the engines of this run never saw their requests)."""
+        if self._inflight:
+            raise RuntimeError("batches are in flight already: restore before handing any out")
+        self._inflight.extend(batches)
+
     def _receive(self, batch: InFlight) -> None:
         """The head: read `batch`'s results from every engine (once)."""
         if self.bridge is None or batch.results is not None:

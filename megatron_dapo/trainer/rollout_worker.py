@@ -18,6 +18,7 @@ trainer's order of messages decides it, which keeps a run reproducible.
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any, Callable, Optional
 
@@ -56,7 +57,11 @@ def pool_engine_devices(layout: Any, engine: str, device: torch.device) -> Optio
 
 
 def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print) -> None:
-    """Run this rollout rank until the trainer stops the engines (see the module doc)."""
+    """Run this rollout rank until the trainer stops the engines (see the module doc).
+
+    SIGTERM (SLURM's preemption notice reaches every task) does not stop it: the trainer saves its
+    checkpoint first, which takes the results still on their way from the engines, then stops them."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     ctx = runtime.ctx
     devices = pool_engine_devices(ctx.layout, cfg.rollout.engine, ctx.device)
     bridge = ctx.bridge

@@ -1,0 +1,117 @@
+"""Asynchronous training in the separate placement (issue 27): `trainer.max_staleness=1`.
+
+Three processes: a TP=2 trainer and one rollout rank with the embedded engine (`rollout.placement=
+separate rollout.num_gpus=1`). With one step off, the engines generate the next step's batch with the
+weights the current step starts from while it trains:
+
+* every sample of the train batch is at most one version stale (`async/staleness_max`), and the
+  batches generated ahead are exactly one (`async/staleness_frac_1`);
+* the bound holds when the trainer is slow (its update sleeps 2 s a step): the engines wait for
+  work instead of running ahead (`async/engine_wait_s`), nothing is ever older than one version;
+* SIGTERM after step 2 leaves a checkpoint with the samples generated ahead (`async_state.pt`), and
+  the resumed run's steps equal the uninterrupted run's in every deterministic metric;
+* a checkpoint without that file cannot resume the asynchronous run (a named error), and a
+  resumed run from it would need it: the pure check in `async_state.load`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.trainer_runs import (
+    CONFIG, FAST, REPO, assert_ok, cli, deterministic, read_metrics, run_cli, workspace_overrides,
+)  # fmt: skip
+
+STEPS = 5
+ASYNC = ["parallel.tp=2", "rollout.placement=separate", "rollout.num_gpus=1", "trainer.max_staleness=1", "algorithm.tis_cap=2"]
+SLOW_LAUNCH = Path(__file__).with_name("_slow_update_launch.py")
+UPDATE_SLEEP_S = 2.0
+
+
+def _args(workspace, output: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(CONFIG), *FAST, *ASYNC, *workspace_overrides(workspace, output), *extra]
+
+
+@pytest.fixture(scope="module")
+def straight(demo_workspace, tmp_path_factory) -> dict[int, dict]:
+    output = tmp_path_factory.mktemp("async-straight")
+    assert_ok(run_cli(*_args(demo_workspace, output, f"trainer.total_steps={STEPS}"), nproc=3, timeout=600))
+    return read_metrics(output)
+
+
+def test_one_step_off_trains_on_samples_at_most_one_version_old(straight):
+    assert sorted(straight) == list(range(1, STEPS + 1))
+    assert straight[1]["async/staleness_max"] == 0  # nothing was generated ahead of step 1
+    for step, metrics in straight.items():
+        assert metrics["async/staleness_max"] <= 1, (step, metrics)
+        assert metrics["async/staleness_frac_0"] + metrics["async/staleness_frac_1"] == pytest.approx(1.0)
+        assert "actor/tis_weight_mean" in metrics or "tis/weight_mean" in metrics or any(k.startswith("actor/tis") for k in metrics)
+    ahead = [s for s, m in straight.items() if m["async/staleness_frac_1"] > 0]
+    assert ahead, "no step trained on a batch generated ahead of its update"
+    assert any(m["async/batches_submitted_ahead"] > 0 for m in straight.values())
+
+
+def test_sigterm_saves_the_samples_generated_ahead_and_the_resumed_run_equals_the_straight_one(straight, demo_workspace, tmp_path):
+    output = tmp_path / "stopped"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cli(*_args(demo_workspace, output, f"trainer.total_steps={STEPS}"), nproc=3), cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    stopped = _sigterm_ranks_after_step(proc, output, step=2, timeout=600)
+    assert stopped.returncode != 0 and "exitcode  : 143" in stopped.stdout, stopped.stdout[-4000:]
+    assert "SIGTERM: checkpoint of step" in stopped.stdout, stopped.stdout[-4000:]
+    saved = sorted((output / "checkpoints").glob("step_*"))
+    assert saved and (saved[-1] / "async_state.pt").is_file()
+    stopped_at = max(read_metrics(output))
+    assert 2 <= stopped_at < STEPS
+
+    assert_ok(run_cli(*_args(demo_workspace, output, f"trainer.total_steps={STEPS}", "--resume"), nproc=3, timeout=600))
+    resumed = read_metrics(output)
+    for step in range(1, STEPS + 1):
+        a, b = deterministic(resumed[step]), deterministic(straight[step])
+        problems = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        assert not problems, f"step {step} differs after the resume:\n" + "\n".join(problems[:20])
+
+
+def _sigterm_ranks_after_step(proc: subprocess.Popen, output: Path, step: int, timeout: float) -> subprocess.CompletedProcess:
+    """SIGTERM to every rank of the launch (as SLURM's preemption notice reaches every task), once the
+    run's metrics hold `step`; then wait for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (output / "metrics.jsonl").exists() and step in read_metrics(output):
+            subprocess.run(["pkill", "-TERM", "-P", str(proc.pid)], check=False)
+            break
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def test_the_bound_holds_under_a_slow_trainer(demo_workspace, tmp_path):
+    output = tmp_path / "slow"
+    from megatron_dapo.distributed.launch import find_free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
+               "--master_port", str(find_free_port()), str(SLOW_LAUNCH), *_args(demo_workspace, output, "trainer.total_steps=4")]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MDAPO_TEST_UPDATE_SLEEP_S": str(UPDATE_SLEEP_S)}
+    assert_ok(subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
+    metrics = read_metrics(output)
+    for step, m in metrics.items():
+        assert m["async/staleness_max"] <= 1, (step, m)
+        assert m["async/batches_in_flight"] <= 1, (step, m)  # one train batch of 4 groups: one generation batch ahead
+    # After the first step the engines finish what they were handed long before the slow update ends,
+    # and then wait: most of the step, not generating further ahead.
+    assert all(m["async/engine_wait_s"] > UPDATE_SLEEP_S / 2 for s, m in metrics.items() if s >= 3), metrics
+
+
+def test_a_checkpoint_without_the_async_state_is_a_named_error(tmp_path):
+    from megatron_dapo.trainer import async_state
+
+    with pytest.raises(FileNotFoundError, match="has no async_state.pt: it was not written by a run with trainer.max_staleness > 0"):
+        async_state.load(tmp_path)
