@@ -772,6 +772,12 @@ def validate(cfg: Config) -> None:
             "algorithm.tis_cap (token-level truncated IS, e.g. 2.0) and/or algorithm.mis.enable=true (sequence-level "
             "masked IS); the engine's log-probs are the behaviour policy (docs/ASYNC.md, \"Off-policy correction\")",
         )
+        _require(
+            cfg.actor.router_replay != "r3" and not r.return_routed_experts,
+            f"'trainer.max_staleness'={t.max_staleness} does not keep the engine's routed experts of the groups it carries "
+            "over or saves with a checkpoint yet: use actor.router_replay=off or r2 and rollout.return_routed_experts=false "
+            "with asynchronous training, or trainer.max_staleness=0 (docs/ASYNC.md)",
+        )
     _require(
         t.gen_batch_size >= t.train_batch_size,
         f"'trainer.gen_batch_size'={t.gen_batch_size} is smaller than 'trainer.train_batch_size'="

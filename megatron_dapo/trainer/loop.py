@@ -79,7 +79,9 @@ class DAPOTrainer:
         self.buffer = build_sampling_buffer(cfg)
         self.max_staleness = cfg.trainer.max_staleness
         self._gen_indices: dict[int, int] = {}  # step -> generation batches handed out for it so far
-        self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe)
+        # Asynchronous training keeps no routing of the groups it carries over (the config check refuses
+        # r3 there): the embedded engine's, asked for by default for the mismatch metrics, is not asked.
+        self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe) and not cfg.trainer.max_staleness
         # The engine's routing stays in host memory in its compact type (1 byte an entry up to 128 experts).
         self.routing_dtype = routing_dtype(runtime.hf_config.num_experts) if self.engine_routing else torch.int32
         # ... kept by the rank that generated it until the train batch is chosen, then sent to the one
