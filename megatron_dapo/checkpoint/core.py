@@ -255,7 +255,14 @@ def _sharded_state(models, optimizer, scheduler, is_loading: bool, optimizer_for
     if optimizer_format is not None:
         model_state = dict(state)
         materialise_adam_state(optimizer)
-        if optimizer_format == MODEL_SPACE and optimizer_kind(optimizer) == "distributed":
+        kind = optimizer_kind(optimizer)
+        if kind == "local":
+            # Per-parameter state keyed like the model, whatever the format: saved and loaded (which
+            # asks for the version-1 default, fully_reshardable) without a ChainedOptimizer's
+            # "chained_<i>." key prefix, which Megatron adds for the formats it does not count as
+            # fully reshardable (a MoE at EP > 1 chains two optimizers).
+            optimizer_format = "fully_reshardable"
+        if optimizer_format == MODEL_SPACE and kind == "distributed":
             state["optimizer"] = model_space_sharded_state_dict(optimizer, model_state, is_loading=is_loading)
         else:
             state["optimizer"] = optimizer.sharded_state_dict(

@@ -105,7 +105,9 @@ def optimizer_state_across_expert_layouts(model_dir: str, root: str, save: dict,
     """Train a MoE 2 steps at `save` {tp, pp, ep} with the distributed optimizer, save step 2 in both
     fully reshardable formats (`root`/<format>), train step 3 (the reference); then per layout of
     `loads` and per format: fresh models and optimizer, load, digest of the optimizer state as loaded,
-    step 3's loss (a layout with "refused": the CheckpointMismatchError's message)."""
+    step 3's loss (a layout with "refused": the CheckpointMismatchError's message). Before that, the
+    non-distributed optimizer at `save`: step 1, saved, step 2 (reference), then resumed into fresh
+    models and step 2 again."""
     from megatron_dapo.checkpoint.core import load_checkpoint, save_checkpoint
     from megatron_dapo.checkpoint.torch_dist import CheckpointMismatchError
     from megatron_dapo.distributed import init_distributed, teardown
@@ -120,11 +122,20 @@ def optimizer_state_across_expert_layouts(model_dir: str, root: str, save: dict,
 
     out: dict = {"loads": {}}
     with reporting(out):
-        models, optimizer, scheduler = build_training(model_dir, layout(save))
+        ctx_layout = [layout(save)]
+        models, optimizer, scheduler = build_training(model_dir, ctx_layout[0])
         out["losses"] = {step: train_step(models, optimizer, scheduler, step) for step in (1, 2)}
         for fmt in formats:
             save_checkpoint(Path(root) / fmt, 2, models, optimizer, scheduler, optimizer_format=fmt)
         out["losses"][3] = train_step(models, optimizer, scheduler, 3)
+        # The non-distributed optimizer (a chain of two at EP > 1): resumes at the same layout.
+        models, optimizer, scheduler = build_training(model_dir, ctx_layout[0], distributed_optimizer=False)
+        train_step(models, optimizer, scheduler, 1)
+        save_checkpoint(Path(root) / "local", 1, models, optimizer, scheduler)
+        out["local"] = {"reference": train_step(models, optimizer, scheduler, 2)}
+        models, optimizer, scheduler = build_training(model_dir, ctx_layout[0], distributed_optimizer=False, load_hf=False)
+        out["local"]["optimizer_loaded"] = load_checkpoint(Path(root) / "local", models, optimizer, scheduler).optimizer_loaded
+        out["local"]["resumed"] = train_step(models, optimizer, scheduler, 2)
         for spec in loads:
             teardown(keep_process_group=True)
             parallel = layout(spec)

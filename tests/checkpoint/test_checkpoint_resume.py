@@ -22,8 +22,8 @@ Three launches on the tiny untied Qwen2 (see _train_worker.py for the training l
 
 4. 4 processes, the tiny Qwen2-MoE (4 experts, a shared expert): 2 steps at EP=2 (DP=4, expert-DP=2),
    step 2 saved fully_reshardable and fully_sharded_model_space, step 3 the reference; each loaded at
-   EP=4 (expert-DP=1) and PP=2 x EP=2, and refused by name at EP=1
-   (`_moe_checkpoint_worker.optimizer_state_across_expert_layouts`).
+   EP=4 (expert-DP=1) and PP=2 x EP=2, and refused by name at EP=1; and a step saved and resumed
+   with the non-distributed optimizer at EP=2 (`_moe_checkpoint_worker.optimizer_state_across_expert_layouts`).
 
 Tolerances: at the saving layout the resumed losses are bit-identical to the uninterrupted run
 (asserted to 1e-6); at other layouts TP / DP reductions change the float32 summation order and
@@ -389,3 +389,12 @@ def test_moe_optimizer_state_saved_at_ep2_is_refused_by_name_at_ep1(moe_formats)
         for fmt, entry in result["loads"]["ep1"].items():
             assert entry["error"] and "holds the state of 2 optimizer(s), this run has 1" in entry["error"], (fmt, entry)
             assert "parallel.ep > 1" in entry["error"] and "weights only" in entry["error"]
+
+
+def test_moe_with_the_non_distributed_optimizer_resumes(moe_formats):
+    """At EP > 1 the non-distributed optimizer is a chain of two too: its periodic checkpoint resumes
+    (it was saved with Megatron's "chained_<i>." key prefix and asked for without it)."""
+    _, results = moe_formats
+    for rank, result in enumerate(results):
+        local = result["local"]
+        assert local["optimizer_loaded"] and abs(local["resumed"] - local["reference"]) <= SAME_LAYOUT_TOL, (rank, local)
