@@ -21,9 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_dapo.model.bucketing import tensor_item_nbytes
-from megatron_dapo.rollout.sync import gather
-from megatron_dapo.rollout.sync.dispatch import WeightTransport
+from megatron_dapo.rollout.sync.dispatch import FullTensors
 
 __all__ = ["BridgeBroadcast", "PushDone", "PushWeights", "receive_push"]
 
@@ -48,26 +46,20 @@ class PushDone:
     """Seconds the owner waited for a message (work or weights) since the last push."""
 
 
-class BridgeBroadcast(WeightTransport):
-    """Mode "gather" to engines across the bridge: the head broadcasts every bucket to the owners."""
-
-    mode = "gather"
+class BridgeBroadcast(FullTensors):
+    """Mode "gather" to engines across the bridge: the "gather" stream of full tensors, and the head
+    broadcasts every bucket to the owners instead of loading it into an engine of its own."""
 
     def __init__(self, bridge: Optional[Any]) -> None:
         """`bridge`: the head's end of the bridge; None on the other ranks of the exporting replica."""
         if bridge is not None and not bridge.is_head:
             raise ValueError("only the trainer's head pushes weights over the bridge")
+        super().__init__(None)
         self.bridge = bridge
         self.version = 0
         self._announced = False
         self.replies: list[PushDone] = []
         """Every owner's `PushDone` of the last push (the head)."""
-
-    def stream(self, models, hf_config, bucket_mb):
-        return gather.iter_full_tensors(models, hf_config, bucket_mb)
-
-    def item_bytes(self, item) -> int:
-        return tensor_item_nbytes(item)
 
     @property
     def delivers(self) -> bool:
