@@ -41,7 +41,7 @@ def iter_full_tensors(
     `bucket_mb`: the buckets the stream is cut into; experts moved between ranks travel packed in
     buffers of at most half of one (`model.expert_groups`).
     Looked up on `model.load` at each call, so that a memory ledger pausing the export
-    (`storage_ledger.weight_path_ledger`) sees this stream too.
+    (`tests/support/storage_ledger.weight_path_ledger`) sees this stream too.
     """
     return load.export_megatron_to_hf(models, hf_config, bucket_limit_bytes(bucket_mb))
 
