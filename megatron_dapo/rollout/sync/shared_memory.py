@@ -24,7 +24,9 @@ removes it once the engine has it, before any rank starts the next one (peak = o
 
 Requirements: the TP group shares one node (/dev/shm is per node; `distributed.placement.choose_sync_mode` checks host names
 and otherwise keeps the gather path). On GPUs each rank copies its shards to host memory (in
-parallel), which is where engines in other processes (vLLM, SGLang) receive weights from anyway.
+parallel), which is where vLLM's leader-placement workers read weights from anyway. SGLang on a
+GPU takes CUDA IPC handles of gathered tensors instead, and the embedded engine loads them in its
+own process: `auto` gives both the gather path on GPUs (no round trip through host memory).
 """
 
 from __future__ import annotations
