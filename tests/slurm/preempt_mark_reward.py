@@ -10,18 +10,11 @@ scored: a point fixed by the data, whatever SLURM's delivery takes.
 import os
 import time
 
+from tests.support.reward_functions import count_call, parity_score
+
 
 def compute_score(solution_str, ground_truth, **_):
-    calls_file = os.environ.get("MDAPO_TEST_REWARD_CALLS")
-    if calls_file:
-        fd = os.open(calls_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, b".")
-            calls = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if calls == int(os.environ.get("MDAPO_TEST_MARK_AT_CALL", "0")):
-            open(os.environ["MDAPO_TEST_MARK"], "w").close()
-            time.sleep(float(os.environ.get("MDAPO_TEST_MARK_PAUSE_S", "10")))
-    acc = (len(solution_str) + int(ground_truth)) % 2 == 0  # as tests/trainer/parity_reward.py
-    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": str(len(solution_str))}
+    if count_call(at="MDAPO_TEST_MARK_AT_CALL"):
+        open(os.environ["MDAPO_TEST_MARK"], "w").close()
+        time.sleep(float(os.environ.get("MDAPO_TEST_MARK_PAUSE_S", "10")))
+    return parity_score(solution_str, ground_truth)

@@ -1,13 +1,19 @@
-"""Tokenizer and reward functions for the reward tests.
+"""Tokenizer and reward functions for the reward tests, and the parts shared by the test reward files.
 
 They live in a module (not in the test files) so that worker processes can import them by
-reference without importing pytest or the tests.
+reference without importing pytest or the tests. The reward files that the trainer tests load by
+path (tests/trainer/*_reward.py, tests/slurm/*_reward.py) import `parity_score` and `count_call`
+from here: they run in the trainer, its reward pool workers and SLURM job steps, all started from
+the repository root (the working directory, or PYTHONPATH in the sbatch scripts), where `tests` imports.
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+CALLS_FILE_ENV = "MDAPO_TEST_REWARD_CALLS"
+"""Names a file that `count_call` appends one byte to at every call: its size counts the calls."""
 
 PAD_ID = 0
 """Special token (padding / end of sequence) that skip_special_tokens drops."""
@@ -118,3 +124,29 @@ class ParentOnlyTokenizer(CharTokenizer):
         if os.getpid() != state["owner"]:
             raise RuntimeError("this tokenizer cannot be loaded here")
         self.__dict__.update(state)
+
+
+def parity_score(solution_str: str, ground_truth) -> dict:
+    """tests/trainer/parity_reward.py's score: correct when the response's length plus the answer is even."""
+    acc = (len(solution_str) + int(ground_truth)) % 2 == 0
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": str(len(solution_str))}
+
+
+def count_call(at: str) -> bool:
+    """Count this call and say whether it is the N-th, N given by the environment variable `at`.
+
+    Each call appends one byte to the file named by MDAPO_TEST_REWARD_CALLS (opened for appending,
+    so the count holds across steps and across the processes that score: the trainer or its reward
+    workers) and reads the file's size as the number of calls so far. Without that variable nothing
+    is counted and the answer is False; it is False as well whenever `at` is unset or 0.
+    """
+    calls_file = os.environ.get(CALLS_FILE_ENV)
+    if not calls_file:
+        return False
+    fd = os.open(calls_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b".")
+        calls = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return calls == int(os.environ.get(at, "0"))

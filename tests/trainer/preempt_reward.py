@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import signal
 
+from tests.support.reward_functions import count_call, parity_score
+
 
 def _trainer_pid() -> int:
     parent = multiprocessing.parent_process()  # the trainer that started this pool worker
@@ -24,15 +26,6 @@ if os.environ.get("MDAPO_TEST_SIGTERM_ON_LOAD") == "1" and multiprocessing.paren
 
 
 def compute_score(solution_str, ground_truth, **_):
-    calls_file = os.environ.get("MDAPO_TEST_REWARD_CALLS")
-    if calls_file:
-        fd = os.open(calls_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, b".")
-            calls = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if calls == int(os.environ.get("MDAPO_TEST_SIGTERM_AT_CALL", "0")):
-            os.kill(_trainer_pid(), signal.SIGTERM)
-    acc = (len(solution_str) + int(ground_truth)) % 2 == 0  # as parity_reward.py
-    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": str(len(solution_str))}
+    if count_call(at="MDAPO_TEST_SIGTERM_AT_CALL"):
+        os.kill(_trainer_pid(), signal.SIGTERM)
+    return parity_score(solution_str, ground_truth)

@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+from tests.support.reward_functions import count_call, parity_score
+
 
 def _ranks() -> list[int]:
     trainer = multiprocessing.parent_process().pid  # the rank that owns this pool worker
@@ -32,17 +34,8 @@ def _ranks() -> list[int]:
 
 
 def compute_score(solution_str, ground_truth, **_):
-    calls_file = os.environ.get("MDAPO_TEST_REWARD_CALLS")
-    if calls_file:
-        fd = os.open(calls_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, b".")
-            calls = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if calls == int(os.environ.get("MDAPO_TEST_SIGTERM_ALL_AT_CALL", "0")):
-            for pid in _ranks():
-                os.kill(pid, signal.SIGTERM)
-            time.sleep(float(os.environ.get("MDAPO_TEST_SIGTERM_PAUSE_S", "2")))
-    acc = (len(solution_str) + int(ground_truth)) % 2 == 0  # as parity_reward.py
-    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": str(len(solution_str))}
+    if count_call(at="MDAPO_TEST_SIGTERM_ALL_AT_CALL"):
+        for pid in _ranks():
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(float(os.environ.get("MDAPO_TEST_SIGTERM_PAUSE_S", "2")))
+    return parity_score(solution_str, ground_truth)
