@@ -185,10 +185,11 @@ class RolloutConfig:
     writes its own slices into a shared bucket file in /dev/shm that the engine reads: no gather;
     the TP group must share a node), "tp_shards" (spmd placement with rollout.tp = parallel.tp:
     each rank loads its own slices into its own in-process engine: no gather, no file) or "auto"
-    (spmd: tp_shards when rollout.tp = parallel.tp > 1, else gather; leader: shared_memory when
-    the actor's TP > 1 and its TP group is on one node, except on a GPU for the embedded engine and
-    SGLang, which take the gathered tensors on the GPU; otherwise gather; parallel.ep > 1 and the
-    separate placement: always gather; `distributed.placement.choose_sync_mode`)."""
+    (`distributed.placement.choose_sync_mode`): gather when parallel.ep > 1 or the placement is
+    separate; otherwise, spmd: tp_shards when rollout.tp = parallel.tp > 1, else gather; leader:
+    shared_memory when parallel.tp > 1 and the actor's TP group is on one node, except on a GPU for
+    the embedded engine and SGLang, which gather (they take the gathered tensors on the GPU); else
+    gather."""
     placement: Placement = "auto"
     """Where engines run. "spmd": every rank holds its shard of one engine per rollout-TP group of
     rollout.tp consecutive ranks (vLLM's external_launcher), and the groups split the prompts

@@ -520,9 +520,11 @@ def space_facts(path: str | os.PathLike) -> Optional[SpaceFacts]:
 
 def shm_need(cfg: Any, layout: Optional[ParallelLayout], tasks_per_node: int, host: str) -> tuple[int, str]:
     """Bytes of /dev/shm a node needs, and why: NCCL / vLLM / gloo per task, plus the weight-sync
-    bucket files the config's sync writes there (`distributed.placement.choose_sync_mode`, the leader
-    placement's vLLM transfer files). `layout`: the run's (`ConfigFacts.parallel_layout`); None when
-    the config does not fit, and then only the base is counted."""
+    bucket files the config's sync writes there: the shared-memory mode's, as
+    `distributed.placement.choose_sync_mode` decides it on a GPU (where SGLang and the embedded
+    engine gather, writing none), and the leader placement's vLLM transfer files. `layout`: the
+    run's (`ConfigFacts.parallel_layout`); None when the config does not fit, and then only the base
+    is counted."""
     base = max(SHM_MIN_GIB * GIB, tasks_per_node * SHM_PER_TASK_MIB * MIB)
     why = f"{tasks_per_node} task(s) x {SHM_PER_TASK_MIB} MiB for NCCL/vLLM/gloo (at least {SHM_MIN_GIB:.0f} GiB)"
     if cfg is None or layout is None:

@@ -15,8 +15,10 @@ test suite runs the real engine on CPU (tests/rollout/engines/test_sglang_engine
 no memory saver, a KV cache of `max_total_tokens`, default 16384) and the two kernels SGLang's
 CPU path imports from its kernel package, which has no CPU build on the package index, come from
 `sglang_cpu_compat` (also in SGLang's own processes). GPU-only calls (CUDA IPC handles of the
-flattened buckets, the memory saver's tags) are checked by contract tests against the 0.5.23
-source (tests/rollout/engines/test_sglang_contract.py). Calls used (0.5.23, `srt/entrypoints/engine.py`):
+flattened buckets, the memory saver's tags) are checked by contract tests: a fake `sglang` package
+(tests/support/fake_sglang.py) records them and tests/rollout/engines/test_sglang_contract.py
+checks every recorded call against the installed 0.5.23's signatures. Calls used (0.5.23,
+`srt/entrypoints/engine.py`):
 
 - `sglang.Engine(model_path=, tp_size=, dtype=, mem_fraction_static=, random_seed=,
   enable_memory_saver=, context_length=, log_level=, [base_gpu_id=, gpu_id_step=,] [port=,
