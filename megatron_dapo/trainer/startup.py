@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dapo.config import Config, read_model_config
+from megatron_dapo.config import Config, engine_returns_routing, read_model_config
 from megatron_dapo.errors import ConfigError
 from megatron_dapo.trainer.output_dir import check_output_dir, clear_previous_run
 from megatron_dapo.distributed.launch import resolve_launch_env
 from megatron_dapo.distributed.layout import ParallelLayout
 from megatron_dapo.reward.loader import load_reward_function
+from megatron_dapo.rollout.engines.vllm.limits import ROUTED_EXPERTS_KEYS, routed_experts_on_cpu_error
 
 
 @dataclass
@@ -55,7 +56,7 @@ def preflight(
     config_file = Path(hf_dir) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"'model.hf_dir'={hf_dir} is not an HF model directory (no config.json there)")
-    read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
+    model_config = read_model_config(hf_dir)  # bad JSON, unsupported architecture: named here, not after start-up
     check_model_files(cfg)
     layout = cfg.parallel_layout(world_size)
     if cfg.model.megatron_checkpoint and not Path(cfg.model.megatron_checkpoint).exists():
@@ -69,7 +70,33 @@ def preflight(
                     raise ConfigError(f"'data.{key}' names {path}, which does not exist")
     if resume is not None:
         check_output_dir(cfg.trainer.output_dir, resume=resume, overwrite=overwrite)
+    if needs_data:  # a DAPO run, whose rollout engine will start (the SFT warm start has none)
+        # Last: it imports torch (to see the GPUs), which the trainer imports next anyway.
+        check_engine_device(cfg, _is_moe(model_config), _cuda_available())
     return layout
+
+
+def check_engine_device(cfg: Config, is_moe: bool, cuda_available: bool) -> None:
+    """Refuse an engine setting this machine cannot run, before the model loads (pure). vLLM without
+    a GPU is its CPU build, which cannot return routed experts (`rollout.engines.vllm.limits`): a
+    `ConfigError` naming the settings that ask for them on a mixture-of-experts model."""
+    if cfg.rollout.engine != "vllm" or not engine_returns_routing(cfg, is_moe) or cuda_available:
+        return
+    asked = (cfg.actor.router_replay == "r3", cfg.rollout.return_routed_experts)
+    raise routed_experts_on_cpu_error([key for key, on in zip(ROUTED_EXPERTS_KEYS, asked) if on])
+
+
+def _is_moe(model_config: dict) -> bool:
+    from megatron_dapo.model.hf_config import read_hf_config
+
+    return read_hf_config(model_config).is_moe
+
+
+def _cuda_available() -> bool:
+    """Whether the run will compute on GPUs (`distributed.setup.init_distributed`'s rule)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # Files a transformers tokenizer is built from; without any of them `AutoTokenizer` (transformers 5)

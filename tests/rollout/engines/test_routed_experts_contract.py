@@ -34,7 +34,9 @@ def test_vllm_engine_settings_for_routed_experts_and_the_cpu_refusal():
     kwargs, environment = routed_experts_settings(True, on_cpu=False)
     assert kwargs == {"enable_return_routed_experts": True, "enable_prefix_caching": True}
     assert environment == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    with pytest.raises(ValueError, match="CPU build cannot return routed experts.*rollout.engine: embedded"):
+    from megatron_dapo.errors import InputError
+
+    with pytest.raises(InputError, match="CPU build, which cannot return routed experts.*rollout.engine=embedded"):
         routed_experts_settings(True, on_cpu=True)
 
 

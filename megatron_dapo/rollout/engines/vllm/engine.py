@@ -95,6 +95,7 @@ from megatron_dapo.rollout.base import (
 from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, bucket_device, iter_buckets, write_safetensors
 from megatron_dapo.rollout.engines.vllm.io import collect_outputs, vllm_sampling_kwargs
 from megatron_dapo.compat.versions import require as require_version
+from megatron_dapo.rollout.engines.vllm.limits import routed_experts_on_cpu_error
 from megatron_dapo.rollout.engines.vllm.launch import (
     leader_environment,
     new_shared_memory_token,
@@ -183,15 +184,13 @@ def routed_experts_settings(wanted: bool, on_cpu: bool) -> tuple[dict[str, Any],
 
     vLLM captures them with its auxiliary-output connector, which needs the V2 model runner
     (`VLLM_USE_V2_MODEL_RUNNER=1`) and prefix caching (`VllmConfig._verify_aux_output_compatibility`);
-    the V2 runner needs Triton, so vLLM's CPU build cannot.
+    the V2 runner needs Triton, so vLLM's CPU build cannot: `limits.RoutedExpertsOnCPUError`, which
+    the trainer's pre-flight raises first (`trainer.startup.check_engine_device`); this is the last guard.
     """
     if not wanted:
         return {}, {}
     if on_cpu:
-        raise ValueError(
-            "vLLM's CPU build cannot return routed experts (its V2 model runner needs Triton): on CPU use "
-            "rollout.engine: embedded for actor.router_replay: r3 or rollout.return_routed_experts"
-        )
+        raise routed_experts_on_cpu_error()
     return {"enable_return_routed_experts": True, "enable_prefix_caching": True}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
