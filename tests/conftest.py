@@ -147,3 +147,20 @@ def require_sglang():
 
     if importlib.util.find_spec("sglang") is None:
         skip_or_fail("SGLang is not installed; `make install-sglang-cpu` (VENV=... for another environment)")
+
+
+@pytest.fixture
+def liveness_job():
+    """This process as rank 0 of a two-rank job beating in an in-memory store (window 1 s); yields the
+    store (for rank 1's thread or for reading the meetings' keys)."""
+    import torch.distributed as dist
+
+    from megatron_dapo.distributed import liveness
+
+    saved = liveness.settings().window_s, liveness.settings().limit_s
+    liveness.configure(window_s=1.0, limit_s=600)
+    store = dist.HashStore()
+    assert liveness.start_beating(store, rank=0)
+    yield store
+    liveness.stop_beating()
+    liveness.configure(*saved)

@@ -39,16 +39,6 @@ def test_configure_checks_its_values():
         liveness.configure(window_s=0)
 
 
-@pytest.fixture
-def job():
-    """This process as rank 0 of a two-rank job on an in-memory store; the store for rank 1's thread."""
-    saved = liveness.settings().window_s, liveness.settings().limit_s
-    liveness.configure(window_s=WINDOW_S, limit_s=600)
-    store = dist.HashStore()
-    assert liveness.start_beating(store, rank=0)
-    yield store
-    liveness.stop_beating()
-    liveness.configure(*saved)
 
 
 def _rank1(store, *, beats_for_s: float, arrives_after_s: float | None) -> threading.Thread:
@@ -75,8 +65,8 @@ def _rank1(store, *, beats_for_s: float, arrives_after_s: float | None) -> threa
     return thread
 
 
-def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(job):
-    _rank1(job, beats_for_s=0.5, arrives_after_s=None)  # dies half a second into the wait
+def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(liveness_job):
+    _rank1(liveness_job, beats_for_s=0.5, arrives_after_s=None)  # dies half a second into the wait
     started = time.monotonic()
     with pytest.raises(liveness.RankUnresponsive, match=r"rank\(s\) \[1\] stopped beating"):
         liveness.await_ranks([0, 1], "gather", what="the test's gather")
@@ -84,13 +74,13 @@ def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(job):
     assert waited < 0.5 + 2 * WINDOW_S, waited  # ~1.5 windows after its last beat, not an hour
 
 
-def test_a_rank_that_beats_is_waited_for_beyond_the_window(job):
-    _rank1(job, beats_for_s=10, arrives_after_s=4 * WINDOW_S)  # slow, alive
+def test_a_rank_that_beats_is_waited_for_beyond_the_window(liveness_job):
+    _rank1(liveness_job, beats_for_s=10, arrives_after_s=4 * WINDOW_S)  # slow, alive
     waited = liveness.await_ranks([0, 1], "gather")
     assert 4 * WINDOW_S - 0.5 < waited < 4 * WINDOW_S + 2, waited
 
 
-def test_a_store_that_stops_answering_ends_the_wait_within_the_window(job):
+def test_a_store_that_stops_answering_ends_the_wait_within_the_window(liveness_job):
     """The store's own host is gone (rank 0's node under SLURM): its calls hang, the wait does not."""
 
     class Frozen:
@@ -107,9 +97,9 @@ def test_a_store_that_stops_answering_ends_the_wait_within_the_window(job):
     assert time.monotonic() - started < 2 * WINDOW_S
 
 
-def test_a_live_rank_that_never_arrives_ends_at_the_limit(job):
+def test_a_live_rank_that_never_arrives_ends_at_the_limit(liveness_job):
     liveness.configure(limit_s=2 * WINDOW_S)
-    _rank1(job, beats_for_s=10, arrives_after_s=None)
+    _rank1(liveness_job, beats_for_s=10, arrives_after_s=None)
     with pytest.raises(TimeoutError, match=r"rollout.gather_timeout_s=2 s"):
         liveness.await_ranks([0, 1], "gather")
 
@@ -136,7 +126,7 @@ def _arrive_as_rank1(store, n: int = 0) -> None:
     store.add(f"count/gather/{n}", 1)
 
 
-def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(job):
+def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(liveness_job):
     """This rank is told to stop while it waits (its SIGTERM, `calling_off_when`): the wait ends at
     the next poll, and rank 1, arriving later, finds the same outcome."""
     asked = []
@@ -145,25 +135,25 @@ def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(jo
     with liveness.calling_off_when(lambda: bool(asked)), pytest.raises(liveness.MeetingCalledOff):
         liveness.await_ranks([0, 1], "gather")
     assert time.monotonic() - started < 1.5
-    _arrive_as_rank1(job)
-    assert job.compare_set("outcome/gather/0", "", "done") == b"off"  # what rank 1's wait ends with
+    _arrive_as_rank1(liveness_job)
+    assert liveness_job.compare_set("outcome/gather/0", "", "done") == b"off"  # what rank 1's wait ends with
 
 
-def test_another_rank_calling_off_ends_this_ones_wait(job):
+def test_another_rank_calling_off_ends_this_ones_wait(liveness_job):
     def rank1_calls_off():
         time.sleep(0.5)  # rank 1's SIGTERM handler, while its engine generates (`liveness.call_off`)
-        assert job.compare_set("outcome/gather/0", "", "off") == b"off"
-        job.add("count/gather/0", liveness.CALLED_OFF)
+        assert liveness_job.compare_set("outcome/gather/0", "", "off") == b"off"
+        liveness_job.add("count/gather/0", liveness.CALLED_OFF)
 
     threading.Thread(target=rank1_calls_off, daemon=True).start()
     with pytest.raises(liveness.MeetingCalledOff):
         liveness.await_ranks([0, 1], "gather")
 
 
-def test_a_meeting_that_completed_cannot_be_called_off(job):
-    _arrive_as_rank1(job)
+def test_a_meeting_that_completed_cannot_be_called_off(liveness_job):
+    _arrive_as_rank1(liveness_job)
     assert liveness.await_ranks([0, 1], "gather") >= 0  # both there: done
-    assert job.compare_set("outcome/gather/0", "", "off") == b"done"  # a late call-off finds it done
+    assert liveness_job.compare_set("outcome/gather/0", "", "off") == b"done"  # a late call-off finds it done
     # This rank's own call-off now targets its next meeting, not the finished one.
     assert liveness.call_off("gather") is True
-    assert job.get("outcome/gather/1") == b"off"
+    assert liveness_job.get("outcome/gather/1") == b"off"

@@ -6,20 +6,10 @@ operations are played directly."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from megatron_dapo.distributed import liveness
 
 
-@pytest.fixture
-def job():
-    saved = liveness.settings().window_s, liveness.settings().limit_s
-    liveness.configure(window_s=1.0, limit_s=600)
-    store = dist.HashStore()
-    assert liveness.start_beating(store, rank=0)
-    yield store
-    liveness.stop_beating()
-    liveness.configure(*saved)
 
 
 def _rank1_calls_off(store, n: int) -> None:
@@ -33,13 +23,13 @@ def test_without_a_beat_nothing_is_called_off():
     assert liveness.called_off(liveness.GATHER) is False
 
 
-def test_called_off_reads_the_next_meeting_without_arriving(job):
+def test_called_off_reads_the_next_meeting_without_arriving(liveness_job):
     assert liveness.called_off(liveness.GATHER) is False
-    assert job.add("count/gather/0", 0) == 0  # a read: this rank has not arrived
-    job.append("arrived/gather/0", "1,")  # rank 1 arrived: still not called off
-    job.add("count/gather/0", 1)
+    assert liveness_job.add("count/gather/0", 0) == 0  # a read: this rank has not arrived
+    liveness_job.append("arrived/gather/0", "1,")  # rank 1 arrived: still not called off
+    liveness_job.add("count/gather/0", 1)
     assert liveness.called_off(liveness.GATHER) is False
-    _rank1_calls_off(job, 0)
+    _rank1_calls_off(liveness_job, 0)
     assert liveness.called_off(liveness.GATHER) is True
     assert liveness.called_off("other") is False  # another stream's meeting
     with pytest.raises(liveness.MeetingCalledOff):  # this rank's own wait in it ends the same way
@@ -47,16 +37,16 @@ def test_called_off_reads_the_next_meeting_without_arriving(job):
     assert liveness.called_off(liveness.GATHER) is False  # its next meeting (1) is not off
 
 
-def test_this_ranks_own_call_off_is_seen_too(job):
+def test_this_ranks_own_call_off_is_seen_too(liveness_job):
     assert liveness.call_off(liveness.GATHER) is True
     assert liveness.called_off(liveness.GATHER) is True
-    assert job.get("outcome/gather/0") == b"off"
+    assert liveness_job.get("outcome/gather/0") == b"off"
 
 
-def test_a_completed_meeting_is_not_called_off(job):
-    job.append("arrived/gather/0", "1,")
-    job.add("count/gather/0", 1)
+def test_a_completed_meeting_is_not_called_off(liveness_job):
+    liveness_job.append("arrived/gather/0", "1,")
+    liveness_job.add("count/gather/0", 1)
     liveness.await_ranks([0, 1], liveness.GATHER)  # both there: done
     assert liveness.called_off(liveness.GATHER) is False  # meeting 1, not yet met
-    _rank1_calls_off(job, 1)
+    _rank1_calls_off(liveness_job, 1)
     assert liveness.called_off(liveness.GATHER) is True

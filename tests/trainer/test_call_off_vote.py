@@ -13,7 +13,6 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
 from megatron_dapo.distributed import liveness
 from megatron_dapo.data.dataset import PromptExample
@@ -25,50 +24,40 @@ from megatron_dapo.trainer.preemption import SigtermFlag
 from megatron_dapo.trainer.samples import generate_and_score
 
 
-@pytest.fixture
-def job():
-    """This process as rank 0 of a two-rank job on an in-memory store."""
-    saved = liveness.settings().window_s, liveness.settings().limit_s
-    liveness.configure(window_s=1.0, limit_s=600)
-    store = dist.HashStore()
-    assert liveness.start_beating(store, rank=0)
-    yield store
-    liveness.stop_beating()
-    liveness.configure(*saved)
 
 
-def test_a_rank_votes_on_its_own_sigterm(job):
+def test_a_rank_votes_on_its_own_sigterm(liveness_job):
     with SigtermFlag() as flag:
         assert flag.votes_to_call_off() is False
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag.votes_to_call_off() is True
-    assert job.add("count/gather/0", 0) == 0  # the vote called nothing off by itself
+    assert liveness_job.add("count/gather/0", 0) == 0  # the vote called nothing off by itself
 
 
-def test_a_rank_votes_when_another_called_the_gather_meeting_off(job):
+def test_a_rank_votes_when_another_called_the_gather_meeting_off(liveness_job):
     flag = SigtermFlag()
     assert flag.votes_to_call_off() is False
-    assert job.compare_set("outcome/gather/0", "", "off") == b"off"  # rank 1's SIGTERM, in its own group
-    job.add("count/gather/0", liveness.CALLED_OFF)
+    assert liveness_job.compare_set("outcome/gather/0", "", "off") == b"off"  # rank 1's SIGTERM, in its own group
+    liveness_job.add("count/gather/0", liveness.CALLED_OFF)
     assert flag.votes_to_call_off() is True and not flag.received
 
 
-def test_the_engine_groups_call_off_becomes_the_gather_meetings(job):
+def test_the_engine_groups_call_off_becomes_the_gather_meetings(liveness_job):
     flag = SigtermFlag()
     with pytest.raises(liveness.MeetingCalledOff, match="called off") as raised:
         with flag.calling_off_generation():
             raise GenerationCalledOff("the group voted to stop")
     assert isinstance(raised.value.__cause__, GenerationCalledOff)
     # Every rank of the world finds the meeting off: those waiting in it, those still generating.
-    assert job.get("outcome/gather/0") == b"off"
-    assert job.add("count/gather/0", 0) >= liveness.CALLED_OFF
+    assert liveness_job.get("outcome/gather/0") == b"off"
+    assert liveness_job.add("count/gather/0", 0) >= liveness.CALLED_OFF
     # Anything else passes through untouched, and a finished generate calls nothing off.
     with pytest.raises(RuntimeError, match="engine died"):
         with flag.calling_off_generation():
             raise RuntimeError("engine died")
     with flag.calling_off_generation():
         pass
-    assert not job.check(["outcome/gather/1"])
+    assert not liveness_job.check(["outcome/gather/1"])
 
 
 def test_generate_batch_picks_the_call_off_of_its_placement():
@@ -100,7 +89,7 @@ class VotingEngine(RolloutEngine):
         pass
 
 
-def test_the_vote_reaches_the_spmd_engine_and_comes_back_as_the_meetings_call_off(job):
+def test_the_vote_reaches_the_spmd_engine_and_comes_back_as_the_meetings_call_off(liveness_job):
     engine = VotingEngine()
     examples = [PromptExample(index=0, prompt_ids=[1, 2], prompt_text="", ground_truth="1", data_source="d", extra_info={})]
     params = SamplingParams(n=2, max_new_tokens=4, seed=1)
@@ -112,7 +101,7 @@ def test_the_vote_reaches_the_spmd_engine_and_comes_back_as_the_meetings_call_of
                 generate_and_score(rollout, None, examples, params, uid_prefix="s2g0r0p",
                                    during_generate=flag.calling_off_generation, call_off=flag.votes_to_call_off)  # fmt: skip
     assert engine.calls == [(True, flag.votes_to_call_off), (False, flag.votes_to_call_off)]
-    assert job.get("outcome/gather/0") == b"off"
+    assert liveness_job.get("outcome/gather/0") == b"off"
     # The leader placement's generate is left from the signal handler: it takes no vote.
     with pytest.raises(ValueError, match="spmd placement"):
         RolloutGroup(engine, engine_kind="vllm").generate([[1, 2]], params, call_off=lambda: True)
