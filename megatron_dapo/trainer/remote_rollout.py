@@ -20,7 +20,6 @@ trainer's head (launch rank 0):
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -91,16 +90,11 @@ class RemoteRollout:
     next_version: int = 0
     """The weight version the next push delivers (the number of updates the actor has had)."""
     sync_mode: str = "gather"
-    free_cache: bool = False
     _transport: Optional[BridgeBroadcast] = field(default=None, repr=False)
     _inflight: deque = field(default_factory=deque, repr=False)
     _sending: list = field(default_factory=list, repr=False)
-    last_results: list = field(default_factory=list, repr=False)
-    """The `ShareResult`s of the last collected batch, without their samples (the head; for timing metrics)."""
 
     placement = "separate"
-    is_leader = False
-    engine = None
 
     @classmethod
     def create(cls, cfg: Any, layout: ParallelLayout, bridge: Optional[Any], weight_version: int = 0) -> "RemoteRollout":
@@ -187,7 +181,6 @@ class RemoteRollout:
             self._receive(batch)
             local = Samples.concat([unpack_samples(*r.packed) for r in batch.results if r.packed is not None])
             local.weight_version = [batch.version] * len(local)
-            self.last_results = [dataclasses.replace(r, packed=None) for r in batch.results]
         return gather_samples(local, order_key=0, routing_store=routing_store)
 
     # ------------------------------------------------------------------ weights
