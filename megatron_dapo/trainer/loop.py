@@ -79,6 +79,8 @@ class DAPOTrainer:
         self.buffer = build_sampling_buffer(cfg)
         self.max_staleness = cfg.trainer.max_staleness
         self._gen_indices: dict[int, int] = {}  # step -> generation batches handed out for it so far
+        self._kept_per_batch: Optional[float] = None  # informative groups per generation batch, so far
+        self._async_restore: Optional[dict] = None  # a resumed asynchronous run's saved state, until the engines start
         # Asynchronous training keeps no routing of the groups it carries over (the config check refuses
         # r3 there): the embedded engine's, asked for by default for the mismatch metrics, is not asked.
         self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe) and not cfg.trainer.max_staleness
@@ -271,7 +273,7 @@ class DAPOTrainer:
         batches, kept = sampling_stats["num_gen_batches"], sampling_stats["num_groups_kept"]
         if batches and kept:
             self._kept_per_batch = kept / batches
-        per_batch = getattr(self, "_kept_per_batch", float(self.cfg.trainer.gen_batch_size))
+        per_batch = self._kept_per_batch or float(self.cfg.trainer.gen_batch_size)
         train_batch = self.cfg.trainer.train_batch_size
         fresh = self.buffer.num_carried_groups("weight_version", oldest_version(self.step + 1, self.max_staleness))
         submitted = batches_ahead(self.max_staleness, train_batch, fresh, per_batch, self.rollout.inflight)
@@ -409,7 +411,7 @@ class DAPOTrainer:
         with moves:  # the checkpoint reads the actor's state
             files = None
             if self.max_staleness:  # the samples generated ahead go with it (`async_state`)
-                state = async_state.capture(self.rollout, self.buffer, getattr(self, "_kept_per_batch", None), self._gen_indices)
+                state = async_state.capture(self.rollout, self.buffer, self._kept_per_batch, self._gen_indices)
                 files = {async_state.ASYNC_STATE_FILE: lambda path: async_state.save(state, path)}
             path = save_run_checkpoint(self.checkpoint_root, self.step, self.actor, self.sampler, self.cfg, rank0_files=files)
         self._last_saved_step = self.step
@@ -430,7 +432,7 @@ class DAPOTrainer:
 
     def _restore_async(self) -> None:
         """A resumed asynchronous run: the batches in flight and the carried groups of its checkpoint."""
-        state = getattr(self, "_async_restore", None)
+        state = self._async_restore
         if state is None:
             return
         kept_per_batch, self._gen_indices = async_state.restore(state, self.rollout, self.buffer, head=self.rollout.bridge is not None)
