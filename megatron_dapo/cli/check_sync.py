@@ -45,9 +45,12 @@ Exit code 0 if every tensor is equal and max |diff| <= --tolerance, 1 if not (or
 could not finish), 2 on bad arguments.
 
 Run it as a plain command: it starts tp x pp x ep processes itself (torch.distributed.run; gloo
-on CPU). Under torchrun / srun it uses the ranks it is given (world = multiple of tp x pp, and
---ep must divide the data-parallel size). A mixture of experts at --ep > 1 syncs through the gather
-path (each rank holds only its own experts; the shard modes are refused).
+on CPU), plus --rollout-ranks with --placement separate. Under torchrun / srun it uses the ranks
+it is given (world = multiple of tp x pp, plus the rollout ranks, and --ep must divide the
+data-parallel size). With --placement separate the weights travel to the engines' own ranks as in
+training (full tensors over the bridge: NCCL on GPUs, gloo on CPU); each engine is checked.
+A mixture of experts at --ep > 1 syncs through the gather path (each rank holds only its own
+experts; the shard modes are refused).
 With --dtype bfloat16 expect max |diff| of 0.1-1 nats from kernel differences alone: raise
 --tolerance accordingly; float32 (the default) should give ~1e-5 or less.
 """
@@ -84,9 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how TP shards reach the engine (rollout.weight_sync_mode): gather full tensors, each TP "
                         "rank writes its own slices to /dev/shm (leader placement) or loads them into its own engine "
                         "shard (spmd); auto (default) picks like the trainer")  # fmt: skip
-    parser.add_argument("--placement", choices=("leader", "spmd"), default="leader",
-                        help="rollout.placement: one engine on rank 0 (default), or vLLM SPMD: every rank holds its "
-                        "shard of an engine with TP = --tp (vllm only)")  # fmt: skip
+    parser.add_argument("--placement", choices=("leader", "spmd", "separate"), default="leader",
+                        help="rollout.placement: one engine on rank 0 (default); vLLM SPMD: every rank holds its "
+                        "shard of an engine with TP = --tp (vllm only); or separate: the engines on --rollout-ranks "
+                        "processes of their own, the weights pushed over the bridge as in training")  # fmt: skip
+    parser.add_argument("--rollout-ranks", type=int, default=1,
+                        help="--placement separate: processes (GPUs) that hold the engines, after the actor's "
+                        "(rollout.num_gpus; default 1)")  # fmt: skip
+    parser.add_argument("--rollout-tp", type=int, default=1,
+                        help="--placement separate: tensor-parallel size of each engine (rollout.tp; default 1): "
+                        "--rollout-ranks / --rollout-tp engines")  # fmt: skip
     parser.add_argument("--only-failures", action="store_true", help="list only the tensors that differ")
     parser.add_argument("--corrupt-tensor", metavar="NAME", default=None,
                         help="self-test: after the sync, overwrite this HF tensor in the engine with a perturbed "
@@ -120,9 +130,14 @@ def to_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    check_flags(args, at_least=dict.fromkeys(("tp", "pp", "ep", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens"), 1))
+    check_flags(args, at_least=dict.fromkeys(
+        ("tp", "pp", "ep", "num_prompts", "responses_per_prompt", "prompt_length", "max_new_tokens", "rollout_ranks", "rollout_tp"), 1))  # fmt: skip
     if args.placement == "spmd" and args.engine != "vllm":
         raise InputError("--placement spmd needs --engine vllm")
+    if args.placement != "separate" and (args.rollout_ranks != 1 or args.rollout_tp != 1):
+        raise InputError("--rollout-ranks and --rollout-tp are for --placement separate (the engines on ranks of their own)")
+    if args.placement == "separate" and args.rollout_ranks % args.rollout_tp:
+        raise InputError(f"--rollout-ranks {args.rollout_ranks} is not a whole number of engines of --rollout-tp {args.rollout_tp}")
     config_file = Path(args.hf_dir) / "config.json"
     if not config_file.is_file():
         raise InputError(f"{args.hf_dir} is not an HF model directory (no config.json)")
@@ -133,6 +148,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
     hf = json.loads(config_file.read_text())
     experts_per_rank(int(hf.get("num_experts") or hf.get("num_local_experts") or 0), args.ep)
     check_sync_mode(args.sync_mode, args.placement, args.tp, args.tp if args.placement == "spmd" else None, args.ep)
+
+
+def processes(args: argparse.Namespace) -> int:
+    """How many processes the plain command starts: the actor's tp x pp x ep (one data-parallel
+    replica per EP rank), plus the engines' own ranks in the separate placement."""
+    return args.tp * args.pp * args.ep + (args.rollout_ranks if args.placement == "separate" else 0)
 
 
 def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
@@ -152,6 +173,8 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
             "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "megatron_dapo.cli", "check-sync", *to_argv(args),
         ]  # fmt: skip
         shape = f"tp={args.tp} x pp={args.pp}" + (f" x ep={args.ep}" if args.ep > 1 else "")
+        if args.placement == "separate":
+            shape += f", + {args.rollout_ranks} for the engines"
         print(f"check-sync: starting {nproc} processes ({shape}) with torch.distributed.run", flush=True)
         code = subprocess.call(command, env=env)
         if not result_file.is_file():
@@ -161,7 +184,7 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
-    nproc = args.tp * args.pp * args.ep  # EP divides the data-parallel size: one replica per EP rank
+    nproc = processes(args)
     launched = launched_by_a_launcher()
     if not launched and nproc > 1:
         return EXIT_PASS if _relaunch(args, nproc) else EXIT_FAIL

@@ -17,6 +17,11 @@ vLLM), then checks:
 It passes when every tensor is equal and max |diff| <= the tolerance. Runs on every rank of a
 world of a multiple of TP x PP processes (extra ranks are data-parallel replicas).
 
+`placement="separate"`: the last `--rollout-ranks` processes hold the engines (one per
+`--rollout-tp` of them), the weights cross the bridge as in training (`RemoteRollout.sync_weights`),
+and each engine's owner compares its tensors and samples for the check
+(`check_sync_separate.py`); the trainer's rank 0 reports for every engine.
+
 It sits beside the trainer's hand-over (`handover.py`) because it drives the same path: a
 `ParallelLayout` with the engine's placement and TP, `RolloutGroup.sync_weights` and its transport.
 """
@@ -28,7 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +47,7 @@ from megatron_dapo.model.builder import build_gpt_models
 from megatron_dapo.model.hf_config import read_hf_config
 from megatron_dapo.model.load import export_megatron_to_hf, load_hf_into_megatron
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.distributed.placement import SpmdSlot
+from megatron_dapo.distributed.placement import EngineDevices, SpmdSlot
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
 from megatron_dapo.rollout.group import RolloutGroup
 
@@ -67,15 +72,19 @@ class _Printer:
 
 
 def engine_tp(args: argparse.Namespace) -> int:
-    """The TP size of the engine the check builds: SGLang and the spmd placement at --tp (as the
-    trainer builds them, rollout.tp = parallel.tp); the embedded engine and a leader vLLM at 1."""
+    """The TP size of the engine the check builds: each separate engine at --rollout-tp; SGLang and
+    the spmd placement at --tp (as the trainer builds them, rollout.tp = parallel.tp); the embedded
+    engine and a leader vLLM at 1."""
+    if args.placement == "separate":
+        return args.rollout_tp
     if args.engine == "sglang" or args.placement == "spmd":
         return args.tp
     return 1
 
 
-def _make_engine(args: argparse.Namespace, device, torch_dtype):
-    """rank 0's engine (leader placement), or this rank's shard of a TP = --tp vLLM engine (spmd)."""
+def _make_engine(args: argparse.Namespace, device, torch_dtype, devices: Optional[EngineDevices] = None):
+    """rank 0's engine (leader placement), this rank's shard of a TP = --tp vLLM engine (spmd), or an
+    engine owner's (separate: on `devices`, its group's GPUs; None off the GPU)."""
     if args.engine == "embedded":
         return EmbeddedEngine(args.hf_dir, dtype=torch_dtype, device=device)
     # vLLM and SGLang are optional installs: their modules load only when the check uses them.
@@ -93,6 +102,7 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
             seed=args.seed,
             device=device.type,
             skip_tokenizer_init=True,  # token ids in and out; the check needs no tokenizer
+            **({} if devices is None else {"base_gpu_id": devices.base_gpu_id, "gpu_id_step": devices.gpu_id_step}),
         )
     from megatron_dapo.rollout.engines.vllm.engine import VLLMEngine
 
@@ -105,7 +115,8 @@ def _make_engine(args: argparse.Namespace, device, torch_dtype):
     return VLLMEngine(
         args.hf_dir,
         tensor_parallel_size=engine_tp(args),
-        placement=args.placement,
+        placement="spmd" if args.placement == "spmd" else "leader",  # a separate engine is its owner's, as a leader's
+        visible_devices=devices.cuda_visible_devices if devices is not None else None,
         # The check samples (--update step) and counts stale tensors before the push: real weights, not
         # the dummy ones an spmd engine of the trainer starts on.
         load_checkpoint=True,
@@ -151,98 +162,198 @@ def _as_batch(prompts, sampled: dict):
     return PolicyBatch.from_token_lists([prompts[i] for i in sampled["prompt_index"]], sampled["responses"])
 
 
+class TensorComparison:
+    """The actor's HF export, tensor by tensor, against an engine's weights (`engine.named_weights()`).
+
+    `add` each exported (name, tensor) in order, then `finish`: it checks a tied LM head the engine
+    keeps as a copy against the embedding and notes the engine's tensors the export did not name.
+    `say` prints one line per tensor (only the differing ones with `only_failures`). Used where the
+    engine is: rank 0 in the colocated placements, each engine owner in the separate one.
+    """
+
+    def __init__(self, state: dict, tied: bool, say: Callable[[str], None], only_failures: bool) -> None:
+        self.state, self.tied, self.say, self.only_failures = dict(state), tied, say, only_failures
+        self.equal = self.compared = 0
+        self.problems: list[str] = []
+        self._embedding: Optional[torch.Tensor] = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.compared += 1
+        self._compare(name, self.state.pop(name, None), tensor)
+        if self.tied and name == "model.embed_tokens.weight":
+            self._embedding = tensor.detach().clone()
+
+    def finish(self) -> tuple[int, int, list[str]]:
+        """(equal, compared, the names of the tensors that differ or are missing)."""
+        # Engines that keep a separate copy of a tied LM head list it: it must equal the embedding.
+        if self._embedding is not None and "lm_head.weight" in self.state:
+            self.compared += 1
+            self._compare("lm_head.weight", self.state.pop("lm_head.weight"), self._embedding, "  (tied: vs the embedding)")
+        for name in sorted(self.state):
+            self.say(f"   NOTE  {name}: in the engine but not in the actor's export (not checked)")
+        self.state = {}
+        return self.equal, self.compared, self.problems
+
+    def _compare(self, name: str, have: Optional[torch.Tensor], tensor: torch.Tensor, label: str = "") -> None:
+        say, shape = self.say, list(tensor.shape)
+        if have is None:
+            self.problems.append(name)
+            say(f"   MISSING {name}: the engine has no tensor of this name")
+            return
+        want = tensor.detach().to(device=have.device, dtype=have.dtype)
+        if tuple(have.shape) != tuple(want.shape):
+            self.problems.append(name)
+            say(f"   DIFF  {name:<56} shape {list(have.shape)} in the engine, {shape} in the actor{label}")
+        elif torch.equal(have, want):
+            self.equal += 1
+            if not self.only_failures:
+                say(f"   OK    {name:<56} {str(shape):<14} {str(have.dtype).replace('torch.', '')}{label}")
+        else:
+            self.problems.append(name)
+            diff = (have.double() - want.double()).abs()
+            say(f"   DIFF  {name:<56} {str(shape):<14} max|diff| {float(diff.max()):.3e}, "
+                f"{int((diff > 0).sum())} of {diff.numel()} elements differ{label}")  # fmt: skip
+
+
 def _compare_tensors(engine, models, hf_cfg, say: _Printer, only_failures: bool) -> tuple[int, int, list[str]]:
     """Stream the actor's HF export and compare each tensor with the engine's (rank 0). Collective.
 
     Prints one line per tensor (only the differing ones with `only_failures`; nothing when `say` is
     disabled). Returns (equal, compared, problems) on rank 0; (0, 0, []) elsewhere.
     """
-    state = dict(engine.named_weights()) if engine is not None else {}
-    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
-    equal = compared = 0
-    problems: list[str] = []
-
-    def compare(name: str, have: Optional[torch.Tensor], tensor: torch.Tensor, label: str = "") -> None:
-        nonlocal equal
-        shape = list(tensor.shape)
-        if have is None:
-            problems.append(name)
-            say(f"   MISSING {name}: the engine has no tensor of this name")
-            return
-        want = tensor.detach().to(device=have.device, dtype=have.dtype)
-        if tuple(have.shape) != tuple(want.shape):
-            problems.append(name)
-            say(f"   DIFF  {name:<56} shape {list(have.shape)} in the engine, {shape} in the actor{label}")
-        elif torch.equal(have, want):
-            equal += 1
-            if not only_failures:
-                say(f"   OK    {name:<56} {str(shape):<14} {str(have.dtype).replace('torch.', '')}{label}")
-        else:
-            problems.append(name)
-            diff = (have.double() - want.double()).abs()
-            say(f"   DIFF  {name:<56} {str(shape):<14} max|diff| {float(diff.max()):.3e}, "
-                f"{int((diff > 0).sum())} of {diff.numel()} elements differ{label}")  # fmt: skip
-
-    embedding = None
+    comparison = None
+    if engine is not None:
+        comparison = TensorComparison(dict(engine.named_weights()), bool(getattr(hf_cfg, "tie_word_embeddings", False)), say, only_failures)
     for name, tensor in export_megatron_to_hf(models, hf_cfg):
-        if engine is None:
-            continue
-        compared += 1
-        compare(name, state.pop(name, None), tensor)
-        if tied and name == "model.embed_tokens.weight":
-            embedding = tensor.detach().clone()
-    # Engines that keep a separate copy of a tied LM head list it: it must equal the embedding.
-    if embedding is not None and "lm_head.weight" in state:
-        compared += 1
-        compare("lm_head.weight", state.pop("lm_head.weight"), embedding, "  (tied: vs the embedding)")
-    for name in sorted(state):
-        say(f"   NOTE  {name}: in the engine but not in the actor's export (not checked)")
-    return equal, compared, problems
+        if comparison is not None:
+            comparison.add(name, tensor)
+    return comparison.finish() if comparison is not None else (0, 0, [])
+
+
+class _ColocatedEngine:
+    """The engine in the colocated placements: on rank 0 (leader) or as TP shards on every rank
+    (spmd). What `run_check` asks of the engines, the same as `check_sync_separate.RemoteEngines`."""
+
+    count = 1
+
+    def __init__(self, args: argparse.Namespace, ctx: Any, torch_dtype: torch.dtype) -> None:
+        self.args, self.ctx = args, ctx
+        self.engine = _make_engine(args, ctx.device, torch_dtype) if ctx.rank == 0 or args.placement == "spmd" else None
+
+    @staticmethod
+    def placement_text(args: argparse.Namespace) -> str:
+        return "on rank 0" if args.placement == "leader" else f"spmd, TP={args.tp} shards on every rank"
+
+    def ready(self) -> None:
+        dist.barrier()
+
+    def sample(self, prompts: list, seed: int) -> list[dict]:
+        return [_sample(self.engine, prompts, self.args, seed)]
+
+    def compare(self, models, hf_cfg, say: _Printer, only_failures: bool) -> list[tuple[int, int, list[str]]]:
+        return [_compare_tensors(self.engine, models, hf_cfg, say, only_failures)]
+
+    def sync(self, models, hf_cfg):
+        layout = self.ctx.layout
+        slot = SpmdSlot(self.ctx.rank, self.ctx.world_size, layout.rollout_tp) if layout.placement == "spmd" else None
+        rollout = RolloutGroup(
+            self.engine, sync_mode=self.args.sync_mode, engine_kind=self.args.engine, device_type=self.ctx.device.type,
+            spmd=slot, layout=layout,
+        )  # fmt: skip
+        try:
+            return rollout.sync_weights(models, hf_cfg, self.args.bucket_mb), rollout.sync_mode
+        finally:
+            rollout.close_weight_sync()
+
+    def corrupt(self, name: str, hf_cfg) -> None:
+        if self.engine is not None:
+            corrupt_engine_tensor(self.engine, name, hf_cfg)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+
+
+def corrupt_engine_tensor(engine, name: str, hf_cfg) -> None:
+    """The self-test of --corrupt-tensor: overwrite `name` in the engine with a perturbed copy."""
+    current = dict(engine.named_weights())
+    if name not in current:
+        raise CheckSyncError(f"--corrupt-tensor {name!r}: the engine has no such tensor")
+    bad = current[name].clone()
+    bad.add_(0.05 * bad.abs().max().clamp(min=1e-3))
+    # The whole state again with one tensor changed: vLLM takes a fused layer (gate_up_proj,
+    # qkv_proj, a layer's experts) only whole, and a tied engine's read-back LM head is not a
+    # tensor to load.
+    skip = "lm_head.weight" if hf_cfg.tie_word_embeddings else None
+    engine.load_weights((n, bad if n == name else tensor) for n, tensor in current.items() if n != skip)
+
+
+def _build_actor(args: argparse.Namespace, hf_cfg, layout, torch_dtype):
+    cfg = _actor_config(args, hf_cfg.is_moe)
+    models = build_gpt_models(
+        hf_cfg, layout, torch_dtype, transformer_engine=args.transformer_engine, init_weights=False,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )  # fmt: skip
+    load_hf_into_megatron(models, args.hf_dir, hf_cfg)
+    if args.update == "step":
+        return build_actor(cfg, models, vocab_size=hf_cfg.vocab_size)
+    return ReferenceModel(models, ForwardSettings.from_config(cfg, hf_cfg.vocab_size))
+
+
+def check_layout(args: argparse.Namespace) -> ParallelLayout:
+    """The actor's layout and the engines' placement the check runs with (the world size from the launch)."""
+    separate = args.placement == "separate"
+    return ParallelLayout(
+        tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, rollout_tp=engine_tp(args), placement=args.placement,
+        rollout_ranks=args.rollout_ranks if separate else 0,
+    )  # fmt: skip
 
 
 def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file: Optional[Path] = None) -> bool:
     """Run the check on every rank of the launch described by `env` (None: this process's
-    environment; {}: a private world of one); True when it passed (the same on every rank).
+    environment; {}: a private world of one); True when it passed (the same on every trainer rank;
+    the separate placement's rollout ranks return True: the verdict is the trainer's).
 
     `args`: the options of `megatron-dapo check-sync` (cli/check_sync.py). `result_file`: rank 0
     also writes the verdict there as JSON ({"passed": bool}), for a parent process to read.
     """
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, rollout_tp=engine_tp(args), placement=args.placement)
-    ctx = init_distributed(layout, timeout_s=args.timeout_s, seed=args.seed, env=env)
+    # Collectives wait up to --timeout-s, the bridge to separate engines too (not the trainer's hours).
+    ctx = init_distributed(check_layout(args), timeout_s=args.timeout_s, seed=args.seed, env=env, gather_timeout_s=args.timeout_s)
     say = _Printer(ctx.rank == 0)
-    engine = None
+    engines = None
     passed = False
     try:
+        if ctx.role == "rollout":
+            from megatron_dapo.trainer.check_sync_separate import serve_check
+
+            serve_check(args, ctx, lambda devices: _make_engine(args, ctx.device, torch_dtype, devices))
+            return True
         hf_cfg = read_hf_config(args.hf_dir)
         layout = ctx.layout
+        started = time.perf_counter()
+        if layout.separate:
+            from megatron_dapo.trainer.check_sync_separate import RemoteEngines
+
+            engines = RemoteEngines(args, ctx)
         say(f"check-sync: {args.hf_dir} ({hf_cfg.architecture}, {hf_cfg.num_layers} layers)")
         say(f"  actor: tp={layout.tp} pp={layout.pp}{f' vpp={layout.vpp}' if layout.vpp else ''}"
             f"{f' ep={layout.ep}' if layout.ep > 1 else ''} dp={layout.dp} "
             f"{args.dtype} on {ctx.device.type} ({ctx.backend});  engine: {args.engine} {args.dtype} "
-            f"{'on rank 0' if args.placement == 'leader' else f'spmd, TP={args.tp} shards on every rank'}")  # fmt: skip
+            f"{engines.describe() if engines is not None else _ColocatedEngine.placement_text(args)}")  # fmt: skip
 
-        started = time.perf_counter()
-        cfg = _actor_config(args, hf_cfg.is_moe)
-        models = build_gpt_models(
-            hf_cfg, layout, torch_dtype, transformer_engine=args.transformer_engine, init_weights=False,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-        )  # fmt: skip
-        load_hf_into_megatron(models, args.hf_dir, hf_cfg)
-        if args.update == "step":
-            actor = build_actor(cfg, models, vocab_size=hf_cfg.vocab_size)
-        else:
-            actor = ReferenceModel(models, ForwardSettings.from_config(cfg, hf_cfg.vocab_size))
-        if ctx.rank == 0 or args.placement == "spmd":  # spmd: a collective, every rank holds a shard
-            engine = _make_engine(args, ctx.device, torch_dtype)
-        dist.barrier()
-        say(f"1. loaded the checkpoint into the actor and the engine ({time.perf_counter() - started:.1f} s)")
+        actor = _build_actor(args, hf_cfg, layout, torch_dtype)
+        if engines is None:
+            engines = _ColocatedEngine(args, ctx, torch_dtype)
+        engines.ready()
+        say(f"1. loaded the checkpoint into the actor and the engine{'s' if engines.count > 1 else ''} "
+            f"({time.perf_counter() - started:.1f} s)")
 
         generator = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(0, hf_cfg.vocab_size, (args.num_prompts, args.prompt_length), generator=generator).tolist()
         if args.update == "step":
-            sampled = _sample(engine, prompts, args, seed=args.seed)
-            batch = _as_batch(prompts, sampled)
+            batch = _as_batch(prompts, engines.sample(prompts, seed=args.seed)[0])
             batch.old_log_probs = actor.compute_log_probs(batch)
             batch.advantages = torch.where(torch.rand(batch.num_sequences, generator=generator) < 0.5, -1.0, 1.0)
             metrics = actor.update(split_mini_batches(batch, 1))
@@ -254,51 +365,39 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
                         param.mul_(PERTURB_FACTOR)
             say("2. scaled every actor weight by 1 + 2^-6")
         # How stale is the engine now? Only tensors that differ before the sync can reveal a missed one.
-        stale_equal, stale_compared, _ = _compare_tensors(engine, actor.gpt_models, hf_cfg, _Printer(False), True)
+        stale_equal, stale_compared, _ = _worst(engines.compare(actor.gpt_models, hf_cfg, _Printer(False), True))
         say(f"   before the sync, {stale_compared - stale_equal} of {stale_compared} engine tensors differ from the actor"
             + ("" if stale_equal == 0 else f" ({stale_equal} unchanged by the update: a missed sync of those cannot show)"))
 
-        slot = SpmdSlot(ctx.rank, ctx.world_size, layout.rollout_tp) if layout.placement == "spmd" else None
-        rollout = RolloutGroup(
-            engine, sync_mode=args.sync_mode, engine_kind=args.engine, device_type=ctx.device.type, spmd=slot, layout=layout
-        )
-        try:
-            stats = rollout.sync_weights(actor.gpt_models, hf_cfg, args.bucket_mb)
-        finally:
-            rollout.close_weight_sync()
-        moved = "MB of this rank's own slices" if rollout.sync_mode in ("shared_memory", "tp_shards") else "MB"
-        say(f"3. synced {stats.num_tensors} tensors ({rollout.sync_mode}), {stats.bytes / 1e6:.1f} {moved} in {stats.num_buckets} "
+        stats, sync_mode = engines.sync(actor.gpt_models, hf_cfg)
+        moved = "MB of this rank's own slices" if sync_mode in ("shared_memory", "tp_shards") else "MB"
+        say(f"3. synced {stats.num_tensors} tensors ({sync_mode}), {stats.bytes / 1e6:.1f} {moved} in {stats.num_buckets} "
             f"bucket(s) (largest {stats.peak_bucket_bytes / 1e6:.1f} MB) in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s")  # fmt: skip
-        if engine is not None and args.corrupt_tensor:
-            current = dict(engine.named_weights())
-            if args.corrupt_tensor not in current:
-                raise CheckSyncError(f"--corrupt-tensor {args.corrupt_tensor!r}: the engine has no such tensor")
-            bad = current[args.corrupt_tensor].clone()
-            bad.add_(0.05 * bad.abs().max().clamp(min=1e-3))
-            # The whole state again with one tensor changed: vLLM takes a fused layer (gate_up_proj,
-            # qkv_proj, a layer's experts) only whole, and a tied engine's read-back LM head is not a
-            # tensor to load.
-            skip = "lm_head.weight" if hf_cfg.tie_word_embeddings else None
-            engine.load_weights((name, bad if name == args.corrupt_tensor else tensor) for name, tensor in current.items() if name != skip)
+        if args.corrupt_tensor:
+            engines.corrupt(args.corrupt_tensor, hf_cfg)
             say(f"   (self-test: overwrote {args.corrupt_tensor} in the engine with a perturbed copy)")
 
         say("4. per-tensor equality, engine vs the actor's HF export (bit for bit):")
-        equal, compared, problems = _compare_tensors(engine, actor.gpt_models, hf_cfg, say, args.only_failures)
+        equal, compared, problems = _worst(engines.compare(actor.gpt_models, hf_cfg, say, args.only_failures))
         say(f"   {equal} of {compared} tensors equal")
 
-        sampled = _sample(engine, prompts, args, seed=args.seed + 1)
-        batch = _as_batch(prompts, sampled)
-        trainer = actor.compute_log_probs(batch)
-        rollout = torch.zeros_like(trainer)
-        for row, values in enumerate(sampled["log_probs"]):
-            rollout[row, : len(values)] = torch.tensor(values, dtype=rollout.dtype)
-        mismatch = log_prob_mismatch(rollout, trainer, batch.response_valid_mask())
-        say(f"5. log-prob mismatch, engine vs actor, on {batch.num_sequences} sampled responses "
-            f"({int(mismatch.num_tokens)} tokens, temperature {args.temperature:g}):")  # fmt: skip
-        say(f"   mean |diff| {mismatch.mean_abs_diff:.3e}   max |diff| {mismatch.max_abs_diff:.3e}   "
-            f"k3 KL {mismatch.k3_kl:.3e}   (tolerance on max |diff|: {args.tolerance:g})")  # fmt: skip
+        worst = None
+        for index, sampled in enumerate(engines.sample(prompts, seed=args.seed + 1)):
+            batch = _as_batch(prompts, sampled)
+            trainer = actor.compute_log_probs(batch)
+            rollout = torch.zeros_like(trainer)
+            for row, values in enumerate(sampled["log_probs"]):
+                rollout[row, : len(values)] = torch.tensor(values, dtype=rollout.dtype)
+            mismatch = log_prob_mismatch(rollout, trainer, batch.response_valid_mask())
+            of_engine = f" of engine {index + 1}" if engines.count > 1 else ""
+            say(f"5. log-prob mismatch, engine vs actor, on {batch.num_sequences} sampled responses{of_engine} "
+                f"({int(mismatch.num_tokens)} tokens, temperature {args.temperature:g}):")  # fmt: skip
+            say(f"   mean |diff| {mismatch.mean_abs_diff:.3e}   max |diff| {mismatch.max_abs_diff:.3e}   "
+                f"k3 KL {mismatch.k3_kl:.3e}   (tolerance on max |diff|: {args.tolerance:g})")  # fmt: skip
+            if worst is None or mismatch.max_abs_diff > worst.max_abs_diff:
+                worst = mismatch
 
-        verdict = [not problems, mismatch.max_abs_diff <= args.tolerance]
+        verdict = [not problems, worst.max_abs_diff <= args.tolerance]
         if ctx.rank == 0:
             passed = all(verdict)
             if passed:
@@ -309,7 +408,7 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
                     shown = ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
                     reasons.append(f"{len(problems)} tensor(s) differ ({shown})")
                 if not verdict[1]:
-                    reasons.append(f"max |diff| {mismatch.max_abs_diff:.3e} > tolerance {args.tolerance:g}")
+                    reasons.append(f"max |diff| {worst.max_abs_diff:.3e} > tolerance {args.tolerance:g}")
                 say("FAIL: " + "; ".join(reasons))
         flag = torch.tensor([1 if passed else 0], dtype=torch.long, device=ctx.device)
         dist.broadcast(flag, src=0)
@@ -317,7 +416,15 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
         if ctx.rank == 0 and result_file is not None:
             result_file.write_text(json.dumps({"passed": passed}))
     finally:
-        if engine is not None:
-            engine.shutdown()
+        if engines is not None:
+            engines.close()
         teardown()
     return passed
+
+
+def _worst(results: list[tuple[int, int, list[str]]]) -> tuple[int, int, list[str]]:
+    """One (equal, compared, problems) over every engine: the fewest equal, every problem once."""
+    equal = min(r[0] for r in results)
+    compared = max(r[1] for r in results)
+    problems = list(dict.fromkeys(name for r in results for name in r[2]))
+    return equal, compared, problems

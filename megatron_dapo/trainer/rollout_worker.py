@@ -34,7 +34,7 @@ from megatron_dapo.trainer.parts import build_reward_manager
 from megatron_dapo.trainer.remote_rollout import GenerateShare, ShareResult, StopServing
 from megatron_dapo.trainer.samples import generate_and_score, pack_samples
 
-__all__ = ["pool_engine_devices", "serve_rollout"]
+__all__ = ["lend_until_done", "owner_done", "pool_engine_devices", "serve_rollout"]
 
 _DONE_KEY = "mdapo_rollout_pool/done"
 _POLL_S = 1.0
@@ -66,7 +66,7 @@ def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print)
     devices = pool_engine_devices(ctx.layout, cfg.rollout.engine, ctx.device)
     bridge = ctx.bridge
     if bridge is None:
-        _lend_until_done(ctx.layout.rollout_engines)
+        lend_until_done(ctx.layout.rollout_engines)
         return
     engine = make_engine(cfg, cfg.model.hf_dir, ctx.device, placement="leader", devices=devices)
     reward = build_reward_manager(cfg, runtime.tokenizer)
@@ -98,7 +98,7 @@ def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print)
     finally:
         reward.close()
         rollout.shutdown()
-        _owner_done()
+        owner_done()
 
 
 def _generate_share(rollout: RolloutGroup, reward: Any, request: GenerateShare, version: int, waited_s: float) -> ShareResult:
@@ -115,13 +115,13 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _owner_done() -> None:
+def owner_done() -> None:
     """An owner leaves: counted in the rollout world's store, where the lenders look."""
     if dist.is_initialized():
         _store().add(_DONE_KEY, 1)
 
 
-def _lend_until_done(owners: int) -> None:
+def lend_until_done(owners: int) -> None:
     """A rank that lends its GPU to its group's engine waits until the `owners` engine owners have
     left (the trainer stopped them), looking at the store once a second: no collective that could
     time out during a run of days."""

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from megatron_dapo.cli.check_sync import add_arguments, launched_by_a_launcher, to_argv
+from megatron_dapo.cli.check_sync import add_arguments, launched_by_a_launcher, processes, to_argv
 from megatron_dapo.cli.main import main
 
 
@@ -36,6 +36,10 @@ def test_help_explains_the_command(capsys):
         (["--ep", "3", "--moe"], "parallel.ep=3 does not divide the model's num_experts=4"),
         (["--ep", "2", "--moe", "--sync-mode", "shared_memory"], "at parallel.ep=2 a rank holds only its own experts"),
         (["--ep", "2", "--moe", "--engine", "vllm", "--placement", "spmd", "--sync-mode", "tp_shards"], "use auto or gather"),
+        (["--rollout-ranks", "2"], "--rollout-ranks and --rollout-tp are for --placement separate"),
+        (["--placement", "separate", "--rollout-ranks", "3", "--rollout-tp", "2"], "--rollout-ranks 3 is not a whole number of engines"),
+        (["--placement", "separate", "--rollout-ranks", "0"], "--rollout-ranks must be >= 1"),
+        (["--placement", "separate", "--sync-mode", "shared_memory"], "with rollout.placement=separate the weights travel"),
         ([], "is not an HF model directory (no config.json)"),
     ],
 )
@@ -69,3 +73,17 @@ def test_launched_by_a_launcher():
     assert launched_by_a_launcher({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
     assert not launched_by_a_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})  # a bare sbatch shell
     assert not launched_by_a_launcher({})
+
+
+def test_the_plain_command_starts_the_engines_ranks_after_the_actors():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert processes(parser.parse_args(["--hf-dir", "m", "--tp", "2", "--pp", "2"])) == 4
+    assert processes(parser.parse_args(["--hf-dir", "m", "--tp", "2", "--placement", "separate"])) == 3
+    separate = parser.parse_args(["--hf-dir", "m", "--tp", "2", "--placement", "separate", "--rollout-ranks", "4", "--rollout-tp", "2"])
+    assert processes(separate) == 6
+    from megatron_dapo.trainer.check_sync import check_layout, engine_tp
+
+    layout = check_layout(separate).resolve(processes(separate))
+    assert (layout.world_size, layout.rollout_engines, engine_tp(separate)) == (2, 2, 2)
+    assert layout.engine_leaders() == [2, 4]
