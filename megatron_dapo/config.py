@@ -484,11 +484,36 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     return cfg
 
 
-def _load_yaml(path: str | os.PathLike):
-    import yaml
+BASE_KEY = "base"
+"""A config file's optional top-level key naming the file it changes (a path relative to it): the
+base is read first and this file's sections are merged over it (lists replaced whole). An async
+recipe is then its differences from the synchronous one (configs/dapo_qwen2.5_32b_async.yaml)."""
+
+
+def _load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()):
+    """The file's settings, its `base:` file's first (`BASE_KEY`)."""
     from omegaconf import OmegaConf
 
     path = Path(path)
+    loaded = _read_yaml_file(path)
+    if BASE_KEY not in loaded:
+        return loaded
+    base = loaded.pop(BASE_KEY)
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"config file {path}: '{BASE_KEY}' names the config file this one changes (a path relative to it), got {base!r}")
+    base_path = (path.parent / base).resolve()
+    chain = (*_chain, path.resolve())
+    if base_path in chain:
+        raise ConfigError(f"config file {path}: '{BASE_KEY}: {base}' comes back to {base_path.name} (" + " -> ".join(p.name for p in (*chain, base_path)) + ")")
+    if not base_path.is_file():
+        raise ConfigError(f"config file {path}: '{BASE_KEY}: {base}' does not exist (looked for {base_path})")
+    return OmegaConf.merge(_load_yaml(base_path, chain), loaded)
+
+
+def _read_yaml_file(path: Path):
+    import yaml
+    from omegaconf import OmegaConf
+
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

@@ -284,3 +284,31 @@ def test_which_engines_are_asked_for_routed_experts():
         cfg.actor.router_replay, cfg.rollout.return_routed_experts = "r2", True
         assert engine_returns_routing(cfg, is_moe=True)
         cfg.rollout.return_routed_experts = False
+
+
+# ------------------------------------------------------------------ `base:` (a recipe as its differences)
+
+
+def test_a_config_file_changes_its_base(tmp_path):
+    (tmp_path / "sync.yaml").write_text("trainer:\n  total_steps: 7\n  seed: 3\nrollout:\n  n: 4\n  stop: [a, b]\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "async.yaml").write_text("base: ../sync.yaml\ntrainer:\n  seed: 5\nrollout:\n  stop: [c]\n")
+    (tmp_path / "sub" / "more.yaml").write_text("base: async.yaml\nrollout:\n  n: 8\n")
+    cfg = load_config(tmp_path / "sub" / "more.yaml", ["trainer.total_steps=9"])
+    assert (cfg.trainer.total_steps, cfg.trainer.seed, cfg.rollout.n, cfg.rollout.stop) == (9, 5, 8, ["c"])  # lists replaced whole
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"a.yaml": "base: missing.yaml\n"}, r"a.yaml: 'base: missing.yaml' does not exist \(looked for .*missing.yaml\)"),
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"'base: a.yaml' comes back to a.yaml \(a.yaml -> b.yaml -> a.yaml\)"),
+        ({"a.yaml": "base: [b.yaml]\n"}, r"'base' names the config file this one changes"),
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "trainer:\n  nope: 1\n"}, r"nope"),
+    ],
+)
+def test_a_bad_base_is_named(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "a.yaml")

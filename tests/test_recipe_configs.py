@@ -23,16 +23,21 @@ RECIPES = {
     "dapo_qwen3_30b_a3b.yaml": ("qwen3-30b-a3b", 2),
 }
 MOE_RECIPES = sorted(name for name, (model, _) in RECIPES.items() if mp.known_model(model).is_moe)
+# asynchronous recipe (issue 27) -> (the synchronous recipe it changes, nodes of 8 GPUs, of them the engines' GPUs)
+ASYNC_RECIPES = {
+    "dapo_qwen2.5_32b_async.yaml": ("dapo_qwen2.5_32b.yaml", 4, 16),
+    "dapo_qwen3_30b_a3b_async.yaml": ("dapo_qwen3_30b_a3b.yaml", 3, 8),
+}
 
 
 def test_every_recipe_and_its_sbatch_script_are_covered():
     recipes = {path.name for path in CONFIGS.glob("dapo_*.yaml")}
-    assert recipes == set(RECIPES)
+    assert recipes == set(RECIPES) | set(ASYNC_RECIPES)
     slurm = CONFIGS.parent / "slurm"
     for name in recipes:
         script = (slurm / name.replace(".yaml", ".sbatch")).read_text()
         nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", script, re.M).group(1))
-        assert nodes == RECIPES[name][1], name
+        assert nodes == (RECIPES[name][1] if name in RECIPES else ASYNC_RECIPES[name][1]), name
         assert f"dapo_train configs/{name} " in script and "--ntasks-per-node=8" in script and "--gpus-per-node=8" in script
     assert MOE_RECIPES == ["dapo_qwen3_30b_a3b.yaml"]
 
@@ -222,3 +227,70 @@ def test_moe_recipe_layout_and_its_quoted_expert_figures(name):
     least = min(one.moe.stages[0].expert_distributed_optimizer.total for one in one_node.values())
     assert f"take at least {least / mp.GIB:.2f} GiB per GPU" in text
     assert f"with a\n#   {one_node[4, 2].max_tokens_per_micro_batch}-token micro-batch budget" in text
+
+
+# ------------------------------------------------------------------ the asynchronous recipes (issue 27)
+
+ASYNC_KEYS = {
+    "actor.offload_params", "actor.offload_grads", "actor.offload_optimizer", "actor.router_replay",
+    "rollout.placement", "rollout.num_gpus", "rollout.tp", "rollout.gpu_memory_utilization",
+    "algorithm.tis_cap", "trainer.max_staleness", "trainer.output_dir", "trainer.experiment_name",
+}  # fmt: skip
+
+
+def _flat(value, prefix=""):
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+@pytest.mark.parametrize("name", sorted(ASYNC_RECIPES))
+def test_async_recipe_is_its_synchronous_recipe_with_the_async_keys_changed(name):
+    """`base:` keeps the paper's settings and the synchronous layout's reasoning in one place: only
+    the placement, the staleness, the correction and what no longer shares a GPU differ."""
+    import dataclasses
+
+    base_name, _, _ = ASYNC_RECIPES[name]
+    sync, run = (_flat(dataclasses.asdict(load_config(CONFIGS / n))) for n in (base_name, name))
+    changed = {key for key in sync if sync[key] != run[key]}
+    assert changed <= ASYNC_KEYS, changed - ASYNC_KEYS
+    assert {"rollout.placement", "trainer.max_staleness", "algorithm.tis_cap"} <= changed
+    cfg = load_config(CONFIGS / name)
+    assert cfg.rollout.placement == "separate" and cfg.trainer.max_staleness == 1 and cfg.algorithm.tis_cap == 2.0
+    assert not cfg.actor.offload_any  # no engine shares the trainer's GPUs
+    assert cfg.actor.router_replay != "r3"  # refused with max_staleness > 0 (the routing is not carried over)
+
+
+@pytest.mark.parametrize("name", sorted(ASYNC_RECIPES))
+def test_async_recipe_splits_its_nodes_whole_and_fits_both_pools(name):
+    base_name, nodes, engine_gpus = ASYNC_RECIPES[name]
+    model_name, _ = RECIPES[base_name]
+    cfg = load_config(CONFIGS / name)
+    assert cfg.rollout.num_gpus == engine_gpus and engine_gpus % 8 == 0  # whole nodes of engines
+    layout = cfg.parallel_layout(nodes * 8)
+    assert layout.world_size == nodes * 8 - engine_gpus and layout.world_size % 8 == 0
+    assert layout.engine_leaders()[0] == layout.world_size and layout.rollout_engines == engine_gpus // cfg.rollout.tp
+    with pytest.raises(ConfigError):
+        load_config(CONFIGS / name).resolve_world(nodes * 8 - 4)
+
+    plan = mp.plan_memory(cfg, mp.known_model(model_name), mp.ClusterShape(nodes=nodes), model_name=model_name)
+    assert plan.fits and plan.placement == "separate" and plan.rollout_gpus == engine_gpus, mp.format_plan(plan)
+    r = plan.rollout
+    assert r.actor_kept == 0 and not r.offloaded and r.host_per_gpu == 0  # nothing of the actor on an engine's GPU
+    assert cfg.rollout.gpu_memory_utilization <= r.max_gpu_memory_utilization
+    assert plan.gpu_memory - r.phase_total >= 2 * mp.GIB
+    assert plan.gpu_memory - max(s.training_total for s in plan.stages) >= 10 * mp.GIB
+
+    # The planner figures quoted in the header are its current output.
+    text = (CONFIGS / name).read_text()
+    table = mp.format_plan(plan)
+    quoted_lines = re.findall(r"^#   (rollout\.placement=separate: .*|.*GPU, .*fits|largest .*)$", text, re.M)
+    assert len(quoted_lines) == 6, quoted_lines
+    for quoted in quoted_lines:
+        figures = re.sub(r"\s+", " ", quoted.replace("   fits", "")).strip()
+        assert figures in re.sub(r"\s+", " ", table), figures
+    assert f"{plan.stages[plan.binding_stage].actor_distributed_optimizer.total / mp.GIB:.2f} GiB / " in text
+    assert f"weights {r.weights / mp.GIB:.2f} GiB, KV pool {r.kv_cache / mp.GIB:.2f} GiB ({r.concurrent_full_sequences} full-length" in text

@@ -17,6 +17,13 @@ The actor, the rollout engine and the trainer share every GPU and take turns:
   one micro-batch + reserve; the engine sleeps and its pool is released (`rollout.free_cache_engine`,
   the default; if it is off the pool stays).
 
+With `rollout.placement=separate` the engines have GPUs of their own (the last `rollout.num_gpus`
+of the cluster) and the two pools are sized apart: a rollout GPU holds the engine's pool (weights,
+KV cache, vLLM's activations; SGLang's beside it), which never sleeps, and the bucket a push brings;
+a trainer GPU holds the whole actor (nothing to offload: no engine shares it) + reference, and
+either one micro-batch's activations (training) or one weight-sync bucket of the export, or the
+gathered results, between updates (`MemoryPlan.trainer_between_updates`).
+
 Offload therefore lets the pool grow by the offloaded bytes: the largest `rollout.gpu_memory_utilization`
 is (GPU - actor state kept while generating - reference - reserve) / GPU, shown for the config's
 offload, for a resident actor and for everything offloaded. The offloaded params and optimizer state
@@ -153,6 +160,8 @@ class RolloutMemory:
     """Host memory the offloaded state (and, at sleep level 1, the sleeping engine's weights) takes per GPU."""
     host_per_node: float
     """host_per_gpu x GPUs per node (the fullest stage on every GPU: an upper bound with PP > 1)."""
+    separate: bool = False
+    """rollout.placement=separate: these figures are a rollout GPU's (no actor there)."""
     routing_host_per_gpu: float = 0.0
     """MoE with the engine's routing (r3, rollout.return_routed_experts, the embedded engine): the routing a
     generating rank keeps (its engine's share of a generation batch) plus its replica's rows of the train
@@ -238,6 +247,13 @@ class MemoryPlan:
     rollout_fits: bool
     notes: list[str] = field(default_factory=list)
     moe: Optional[ExpertPlan] = None
+    placement: str = "leader"
+    """The resolved rollout.placement."""
+    rollout_gpus: int = 0
+    """rollout.placement=separate: the GPUs that hold the engines (rollout.num_gpus); `world_size` are the trainer's."""
+    trainer_between_updates: float = 0.0
+    """rollout.placement=separate: a trainer GPU between updates, the whole actor + reference + the larger
+    of one weight-sync bucket (the export) and the gathered results, + reserve."""
     """Mixtures of experts only: the actor state by part, EP, active parameters, dispatch buffers."""
 
     @property
@@ -284,7 +300,13 @@ def plan_memory(
     per_stage = [_training_stage(cfg, model, layout, stage, gpu, reserve, budget, engine) for stage in range(layout.pp)]
     stages = [stage for stage, _ in per_stage]
     binding = min(stages, key=lambda s: (s.max_tokens, s.stage))
-    rollout = _rollout_phase(cfg, stages, engine, cluster, reserve, longest)
+    if layout.separate:
+        rollout = _separate_engine_gpu(cfg, engine, cluster, reserve, longest)
+        bucket = r.weight_sync_bucket_mb * 2**20
+        between_updates = max(s.actor.total + s.reference for s in stages) + max(bucket, engine.results) + reserve
+    else:
+        rollout = _rollout_phase(cfg, stages, engine, cluster, reserve, longest)
+        between_updates = 0.0
     if engine_returns_routing(cfg, model.is_moe):
         # A generating rank keeps its engine's routing of a generation batch; every rank receives its
         # replica's rows of the train batch (`trainer/routing_exchange.py`).
@@ -294,6 +316,8 @@ def plan_memory(
     longest_per_micro_batch = binding.max_tokens * layout.cp
     cp_needed = _smallest_context_parallel(binding.max_tokens, longest, layout.dp * layout.cp)
     notes = _notes(cfg, model, engine, rollout, longest, longest_per_micro_batch, cp_needed)
+    if layout.separate:
+        notes += _separate_notes(cfg, layout, cluster)
     return MemoryPlan(
         model_name=model_name,
         architecture=model.architecture,
@@ -323,11 +347,15 @@ def plan_memory(
         max_tokens_per_micro_batch=binding.max_tokens,
         longest_sequence_per_micro_batch=longest_per_micro_batch,
         min_cp_for_longest_sequence=cp_needed,
-        training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest,
+        training_fits=all(s.training_total <= gpu for s in stages) and longest_per_micro_batch >= longest
+        and between_updates <= gpu,
         rollout_fits=rollout.phase_total <= gpu and rollout.concurrent_full_sequences >= 1,
         notes=notes,
         moe=(_expert_plan(model, layout, [parts for _, parts in per_stage], cfg.moe.token_dispatcher)
              if model.is_moe else None),  # fmt: skip
+        placement=layout.placement,
+        rollout_gpus=layout.rollout_ranks,
+        trainer_between_updates=between_updates,
     )
 
 
@@ -397,7 +425,7 @@ def _engine_pool(cfg: Config, model: HFModelConfig, cluster: ClusterShape, layou
         sequences_per_engine=sequences_per_engine,
         results=results,
         beside_pool=results + (0.0 if in_pool else activation),
-        in_training=not r.free_cache_engine,
+        in_training=not r.free_cache_engine and not layout.separate,  # a separate engine is on GPUs of its own
     )
 
 
@@ -531,6 +559,66 @@ def _rollout_phase(
         host_per_gpu=host_per_gpu,
         host_per_node=host_per_gpu * cluster.gpus_per_node,
     )
+
+
+def _separate_engine_gpu(cfg: Config, engine: _EnginePool, cluster: ClusterShape, reserve: float, longest: int) -> RolloutMemory:
+    """A rollout GPU of the separate placement: the pool (never asleep) and what sits beside it
+    (SGLang's activations), and during a push the bucket it receives (`rollout/sync/remote.py`: one
+    flat buffer per dtype); no actor, no offload, no gathered results (those go to the trainer)."""
+    r = cfg.rollout
+    gpu = cluster.gpu_memory_bytes
+    bucket = r.weight_sync_bucket_mb * 2**20
+    beside = 0.0 if engine.in_pool else engine.activation
+    generation_total = engine.pool + beside + reserve
+    sync_total = generation_total + bucket  # the owner loads a push between requests: the pool stays
+    largest = max(0.0, (gpu - beside - bucket - reserve) / gpu)
+
+    def full_sequences(pool_bytes: float) -> int:
+        return int(max(0.0, pool_bytes - engine.engine_in_pool) // (engine.kv_per_token * longest))
+
+    return RolloutMemory(
+        tp=engine.tp,
+        engines=engine.engines,
+        weights=engine.weights,
+        kv_bytes_per_token=engine.kv_per_token,
+        pool=engine.pool,
+        activation_peak=engine.activation,
+        activation_in_pool=engine.in_pool,
+        max_num_batched_tokens=engine.batched_tokens,
+        max_num_seqs=engine.num_seqs,
+        kv_cache=engine.kv_cache,
+        result_buffers=engine.results,
+        full_sequence_tokens=longest,
+        concurrent_full_sequences=full_sequences(engine.pool),
+        generation_sequences_per_engine=engine.sequences_per_engine,
+        offloaded=[],
+        actor_kept=0.0,
+        generation_total=generation_total,
+        sync_total=sync_total,
+        phase_total=sync_total,
+        max_gpu_memory_utilization=largest,
+        max_gpu_memory_utilization_resident=largest,
+        max_gpu_memory_utilization_offloaded=largest,
+        concurrent_full_sequences_at_max=full_sequences(largest * gpu),
+        host_per_gpu=0.0,
+        host_per_node=0.0,
+        separate=True,
+    )
+
+
+def _separate_notes(cfg: Config, layout: ParallelLayout, cluster: ClusterShape) -> list[str]:
+    """What the split of the cluster means for the separate placement."""
+    notes = []
+    trainer, engines = layout.world_size, layout.rollout_ranks
+    per_node = cluster.gpus_per_node
+    if engines % per_node or trainer % per_node:
+        notes.append(
+            f"rollout.num_gpus={engines} does not split the {cluster.nodes} node(s) of {per_node} GPUs into whole nodes: "
+            "one node holds trainer and engine ranks (it works; whole nodes keep the trainer's NCCL traffic off the engines' links)"
+        )
+    if any(getattr(cfg.actor, f"offload_{kind}") for kind in OFFLOAD_KINDS):
+        notes.append("actor.offload_* frees nothing useful with rollout.placement=separate (no engine shares the trainer's GPUs)")
+    return notes
 
 
 def _smallest_context_parallel(max_tokens: int, longest: int, cp_world: int) -> Optional[int]:

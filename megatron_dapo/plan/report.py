@@ -55,6 +55,60 @@ def _expert_lines(plan: MemoryPlan) -> list[str]:
     ]
 
 
+def _offload_lines(plan: MemoryPlan) -> list[str]:
+    r = plan.rollout
+    return [
+        _row("actor offload while generating (actor.offload_*)", ", ".join(r.offloaded) or "none"),
+        _row("  actor state kept on the GPU (+ reference)", _gib(r.actor_kept)),
+        _row("  host memory, pinned (per GPU, per node)", _gib(r.host_per_gpu), _gib(r.host_per_node)),
+    ]
+
+
+def _colocated_phase_lines(plan: MemoryPlan, fits) -> list[str]:
+    r = plan.rollout
+    return [
+        _row("  generation: kept actor state + ref + pool + results", _gib(r.generation_total), fits(r.generation_total)),
+        _row(
+            "  weight sync: params + kept + engine "
+            + ("weights" if not plan.engine_pool_during_training else "pool")
+            + " + bucket",
+            _gib(r.sync_total),
+            fits(r.sync_total),
+        ),
+        _row(
+            "  training: actor + ref + activations" + (" + pool" if plan.engine_pool_during_training else ""),
+            _gib(max(x.training_total for x in plan.stages)),
+            "yes" if plan.training_fits else "NO",
+        ),
+    ]
+
+
+def _separate_phase_lines(plan: MemoryPlan, fits) -> list[str]:
+    r = plan.rollout
+    training = max(x.training_total for x in plan.stages)
+    return [
+        _row("  rollout GPU, generating: pool" + ("" if r.activation_in_pool else " + activations"), _gib(r.generation_total),
+             fits(r.generation_total)),
+        _row("  rollout GPU, receiving a push: pool + bucket", _gib(r.sync_total), fits(r.sync_total)),
+        _row("  trainer GPU, training: actor + ref + activations", _gib(training), fits(training)),
+        _row("  trainer GPU, between updates: actor + ref + bucket", _gib(plan.trainer_between_updates),
+             fits(plan.trainer_between_updates)),
+    ]  # fmt: skip
+
+
+def _largest_utilization_line(r) -> str:
+    if r.separate:
+        return (f"largest rollout.gpu_memory_utilization: {format_utilization(r.max_gpu_memory_utilization)} on the engines' "
+                f"own GPUs ({r.concurrent_full_sequences_at_max} full-length sequences per engine)")  # fmt: skip
+    return (
+        "largest rollout.gpu_memory_utilization: "
+        f"{format_utilization(r.max_gpu_memory_utilization)} with this offload "
+        f"({r.concurrent_full_sequences_at_max} full-length sequences per engine); "
+        f"{format_utilization(r.max_gpu_memory_utilization_resident)} with the actor resident, "
+        f"{format_utilization(r.max_gpu_memory_utilization_offloaded)} with params, grads and optimizer offloaded"
+    )
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a readable table (what `megatron-dapo plan` prints)."""
     s = plan.stages[plan.binding_stage]
@@ -65,8 +119,13 @@ def format_plan(plan: MemoryPlan) -> str:
     active = f", {moe.active_parameters / 1e9:.2f}B active" if moe else ""
     lines = [
         f"memory plan: {plan.model_name or plan.architecture} ({plan.architecture}, {plan.hf_parameters / 1e9:.2f}B "
-        f"parameters{active}) on {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {plan.world_size}, "
+        f"parameters{active}) on {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {plan.nodes * plan.gpus_per_node}, "
         f"{plan.gpu_memory / GIB:.1f} GiB per GPU ({_gpu_label(plan.gpu)}), reserve {plan.reserve / GIB:.1f} GiB",
+        *(
+            [f"rollout.placement=separate: {plan.world_size} GPUs train, {plan.rollout_gpus} hold the engines "
+             f"({r.engines} engine(s) of rollout.tp={r.tp}); each pool is planned on its own GPUs"]
+            if r.separate else []
+        ),  # fmt: skip
         f"layout: TP={plan.tp} PP={plan.pp}" + (f" VPP={plan.vpp}" if plan.vpp else "") + f" CP={plan.cp} "
         f"DP={plan.dp}" + (f" EP={moe.ep}" if moe else "") + "; sequence parallel "
         f"{on(plan.sequence_parallel)}, distributed optimizer "
@@ -104,9 +163,7 @@ def format_plan(plan: MemoryPlan) -> str:
         _row("  sequences per generation batch", f"{r.generation_sequences_per_engine:>12} / engine"),
         _row("  result buffers while generating (gathered rollouts)", _gib(r.result_buffers)),
         "",
-        _row("actor offload while generating (actor.offload_*)", ", ".join(r.offloaded) or "none"),
-        _row("  actor state kept on the GPU (+ reference)", _gib(r.actor_kept)),
-        _row("  host memory, pinned (per GPU, per node)", _gib(r.host_per_gpu), _gib(r.host_per_node)),
+        *(_offload_lines(plan) if not r.separate else []),
         *(
             [_row("  MoE routing kept + received, host (per GPU, per node)", _gib(r.routing_host_per_gpu),
                   _gib(r.routing_host_per_gpu * plan.gpus_per_node))]
@@ -133,19 +190,7 @@ def format_plan(plan: MemoryPlan) -> str:
         _row(f"  at the config's budget ({plan.micro_batch_tokens} tokens)", _gib(s.activation_at_budget)),
         "",
         _row("phase totals (fullest GPU, reserve included)", "total", "fits"),
-        _row("  generation: kept actor state + ref + pool + results", _gib(r.generation_total), fits(r.generation_total)),
-        _row(
-            "  weight sync: params + kept + engine "
-            + ("weights" if not plan.engine_pool_during_training else "pool")
-            + " + bucket",
-            _gib(r.sync_total),
-            fits(r.sync_total),
-        ),
-        _row(
-            "  training: actor + ref + activations" + (" + pool" if plan.engine_pool_during_training else ""),
-            _gib(max(x.training_total for x in plan.stages)),
-            "yes" if plan.training_fits else "NO",
-        ),
+        *(_separate_phase_lines(plan, fits) if r.separate else _colocated_phase_lines(plan, fits)),
         "",
         f"largest trainer.max_tokens_per_micro_batch: {plan.max_tokens_per_micro_batch} "
         f"(full recompute {on(plan.recompute)}; config uses {plan.micro_batch_tokens}, "
@@ -153,11 +198,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"context parallelism: at CP={plan.cp} one micro-batch holds a sequence of up to "
         f"{plan.longest_sequence_per_micro_batch} tokens; the longest sequence ({plan.longest_sequence}) needs "
         + (f"CP >= {plan.min_cp_for_longest_sequence}" if plan.min_cp_for_longest_sequence else "more memory than any CP gives"),
-        "largest rollout.gpu_memory_utilization: "
-        f"{format_utilization(r.max_gpu_memory_utilization)} with this offload "
-        f"({r.concurrent_full_sequences_at_max} full-length sequences per engine); "
-        f"{format_utilization(r.max_gpu_memory_utilization_resident)} with the actor resident, "
-        f"{format_utilization(r.max_gpu_memory_utilization_offloaded)} with params, grads and optimizer offloaded",
+        _largest_utilization_line(r),
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)

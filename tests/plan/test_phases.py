@@ -252,3 +252,44 @@ def test_moe_routing_is_counted_in_host_memory_in_its_compact_type():
     assert "MoE routing kept + received" in mp.format_plan(replayed)
     off = plan_for(overrides + ["actor.router_replay=off"], model="qwen3-30b-a3b")
     assert off.rollout.routing_host_per_gpu == 0 and off.rollout.result_buffers == replayed.rollout.result_buffers
+
+
+def test_separate_placement_plans_each_pool_on_its_own_gpus():
+    """rollout.placement=separate: 8 of 16 GPUs train (TP=4, DP=2), 8 hold 2 engines of TP=4. A
+    rollout GPU holds the pool and a push's bucket, no actor; a trainer GPU the whole actor, no pool
+    (whatever rollout.free_cache_engine says), and between updates one bucket or the gathered results."""
+    base = ["parallel.tp=4", "parallel.sequence_parallel=true", "trainer.max_tokens_per_micro_batch=32768", "rollout.tp=4"]
+    separate = base + ["rollout.placement=separate", "rollout.num_gpus=8", "rollout.gpu_memory_utilization=0.8"]
+    plan = plan_for(separate + ["rollout.free_cache_engine=false"])
+    colocated = plan_for(base + ["rollout.gpu_memory_utilization=0.4"])
+    gib, reserve, bucket = mp.GIB, plan.reserve, 512 * 2**20
+    assert (plan.placement, plan.world_size, plan.rollout_gpus, plan.dp, plan.rollout.engines) == ("separate", 8, 8, 2, 2)
+    r = plan.rollout
+    assert r.separate and r.actor_kept == 0 and r.offloaded == [] and r.host_per_gpu == 0
+    assert r.generation_total == pytest.approx(r.pool + reserve)  # vLLM: its activations are inside the pool
+    assert r.sync_total == pytest.approx(r.pool + bucket + reserve) == pytest.approx(r.phase_total)
+    assert r.max_gpu_memory_utilization == pytest.approx((plan.gpu_memory - bucket - reserve) / plan.gpu_memory)
+    assert r.concurrent_full_sequences > 2 * colocated.rollout.concurrent_full_sequences  # twice the pool, same TP
+    stage = plan.stages[0]
+    assert not plan.engine_pool_during_training  # the pool is not on a trainer GPU
+    assert stage.training_total == pytest.approx(stage.actor.total + stage.activation_at_budget + reserve)
+    assert plan.trainer_between_updates == pytest.approx(stage.actor.total + max(bucket, r.result_buffers) + reserve)
+    # DP=2 instead of colocated DP=4: the distributed optimizer shards over half the ranks.
+    assert stage.actor.total > colocated.stages[0].actor.total
+    table = mp.format_plan(plan)
+    assert "rollout.placement=separate: 8 GPUs train, 8 hold the engines (2 engine(s) of rollout.tp=4)" in table
+    assert "rollout GPU, receiving a push: pool + bucket" in table and "trainer GPU, training" in table
+    assert "actor offload while generating" not in table and "on the engines' own GPUs" in table
+    assert plan.fits and r.pool / gib > 60
+    # A pool that leaves no room for the push's bucket does not fit.
+    assert not plan_for(separate + ["rollout.gpu_memory_utilization=0.99"]).rollout_fits
+
+
+def test_separate_placement_notes_a_split_that_shares_a_node_and_a_useless_offload():
+    # 8 engine GPUs of 24: a whole node of 8, or 1 1/3 nodes of 6 (a node with trainer and engine ranks).
+    plan = plan_for(["rollout.placement=separate", "rollout.num_gpus=8", *OFFLOAD_ALL], nodes=3)
+    notes = "\n".join(plan.notes)
+    assert "whole nodes" not in notes and "actor.offload_* frees nothing useful" in notes
+    shared = plan_for(["rollout.placement=separate", "rollout.num_gpus=8"], nodes=4, gpus_per_node=6)
+    assert "rollout.num_gpus=8 does not split the 4 node(s) of 6 GPUs into whole nodes" in "\n".join(shared.notes)
+    assert not any("whole nodes" in note for note in plan_for(["rollout.placement=separate", "rollout.num_gpus=8"]).notes)

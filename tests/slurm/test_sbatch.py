@@ -228,16 +228,26 @@ def test_requeued_job_resumes_only_from_an_existing_checkpoint(slurm_cluster, tm
     assert "resuming from " + str(out / "checkpoints" / "step_000002") in job.output()
 
 
-@pytest.mark.parametrize("script_name", ["dapo_qwen2.5_7b.sbatch", "dapo_qwen2.5_32b.sbatch"])
-def test_gpu_scripts_check_the_layout_before_launching(slurm_cluster, tmp_path, script_name):
+@pytest.mark.parametrize(
+    "script_name, overrides, named",
+    [
+        ("dapo_qwen2.5_7b.sbatch", ["parallel.tp=4"], "parallel.tp"),
+        ("dapo_qwen2.5_32b.sbatch", ["parallel.tp=4"], "parallel.tp"),
+        # The async script's world split: 2 engine ranks leave no trainer rank of the 2 tasks.
+        ("dapo_qwen2.5_32b_async.sbatch", ["rollout.placement=separate", "rollout.num_gpus=2", "trainer.max_staleness=1",
+                                           "algorithm.tis_cap=2.0"], "leaves no rank to train on"),
+    ],
+)  # fmt: skip
+def test_gpu_scripts_check_the_layout_before_launching(slurm_cluster, tmp_path, script_name, overrides, named):
     """The GPU scripts unchanged, only resources overridden to fit this node (no GPUs here).
 
-    The tiny config asks for tensor parallel 4 on 2 processes: the batch shell's config check must
-    stop the job with the config error before srun starts a rank.
+    The tiny config with a layout that 2 processes cannot take (tensor parallel 4; all of them for
+    the engines): the batch shell's config check must stop the job with the config error before
+    srun starts a rank.
     """
     job = slurm_cluster.submit(
         SLURM_DIR / script_name,
-        args=["parallel.tp=4", f"trainer.output_dir={tmp_path / 'out'}"],
+        args=[*overrides, f"trainer.output_dir={tmp_path / 'out'}"],
         sbatch_args=["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--time=5"],
         cwd=REPO_ROOT,
         env={"CONFIG": "configs/tiny_cpu.yaml"},
@@ -246,7 +256,7 @@ def test_gpu_scripts_check_the_layout_before_launching(slurm_cluster, tmp_path, 
     assert job.state == "FAILED" and job.exit_code == "1:0", job.describe()
     output = job.output()
     assert "rendezvous localhost:" in output, job.describe()  # dapo_setup ran in the GPU script
-    assert "parallel.tp" in output and "configuration check failed" in output, job.describe()
+    assert named in output and "configuration check failed" in output, job.describe()
     assert "train --config" not in output, job.describe()  # no rank was launched
     assert not (tmp_path / "out").exists()
 
