@@ -524,15 +524,35 @@ def _rollout_phase(
             room = min(room, gpu - max(kept(s, [k for k in away if k != "params"]) for s in stages) - bucket - reserve)
         return max(0.0, room / gpu)
 
-    def full_sequences(pool_bytes: float) -> int:
-        return int(max(0.0, pool_bytes - engine.engine_in_pool) // (engine.kv_per_token * longest))
-
     max_utilization = largest_utilization(offloaded)
     # Offloaded grads are dropped, not copied (their values are dead between updates): no host memory.
     host_per_gpu = max(sum(actor_parts(s.actor)[k] for k in offloaded if k != "grads") for s in stages)
     if r.free_cache_engine and (r.engine == "embedded" or (r.engine == "vllm" and r.sleep_level == 1)):
         host_per_gpu += engine.weights  # a sleeping engine that keeps its weights in host memory (SGLang drops them)
     return RolloutMemory(
+        **_engine_figures(engine, longest),
+        offloaded=offloaded,
+        actor_kept=actor_kept,
+        generation_total=generation_total,
+        sync_total=sync_total,
+        phase_total=max(generation_total, sync_total),
+        max_gpu_memory_utilization=max_utilization,
+        max_gpu_memory_utilization_resident=largest_utilization([]),
+        max_gpu_memory_utilization_offloaded=largest_utilization(list(OFFLOAD_KINDS)),
+        concurrent_full_sequences_at_max=_full_sequences(engine, max_utilization * gpu, longest),
+        host_per_gpu=host_per_gpu,
+        host_per_node=host_per_gpu * cluster.gpus_per_node,
+    )
+
+
+def _full_sequences(engine: _EnginePool, pool_bytes: float, longest: int) -> int:
+    """Full-length sequences whose KV cache fits a pool of `pool_bytes` beside the engine's weights."""
+    return int(max(0.0, pool_bytes - engine.engine_in_pool) // (engine.kv_per_token * longest))
+
+
+def _engine_figures(engine: _EnginePool, longest: int) -> dict[str, Any]:
+    """The `RolloutMemory` fields that describe the engine itself, in every placement."""
+    return dict(
         tp=engine.tp,
         engines=engine.engines,
         weights=engine.weights,
@@ -545,19 +565,8 @@ def _rollout_phase(
         kv_cache=engine.kv_cache,
         result_buffers=engine.results,
         full_sequence_tokens=longest,
-        concurrent_full_sequences=full_sequences(engine.pool),
+        concurrent_full_sequences=_full_sequences(engine, engine.pool, longest),
         generation_sequences_per_engine=engine.sequences_per_engine,
-        offloaded=offloaded,
-        actor_kept=actor_kept,
-        generation_total=generation_total,
-        sync_total=sync_total,
-        phase_total=max(generation_total, sync_total),
-        max_gpu_memory_utilization=max_utilization,
-        max_gpu_memory_utilization_resident=largest_utilization([]),
-        max_gpu_memory_utilization_offloaded=largest_utilization(list(OFFLOAD_KINDS)),
-        concurrent_full_sequences_at_max=full_sequences(max_utilization * gpu),
-        host_per_gpu=host_per_gpu,
-        host_per_node=host_per_gpu * cluster.gpus_per_node,
     )
 
 
@@ -572,25 +581,8 @@ def _separate_engine_gpu(cfg: Config, engine: _EnginePool, cluster: ClusterShape
     generation_total = engine.pool + beside + reserve
     sync_total = generation_total + bucket  # the owner loads a push between requests: the pool stays
     largest = max(0.0, (gpu - beside - bucket - reserve) / gpu)
-
-    def full_sequences(pool_bytes: float) -> int:
-        return int(max(0.0, pool_bytes - engine.engine_in_pool) // (engine.kv_per_token * longest))
-
     return RolloutMemory(
-        tp=engine.tp,
-        engines=engine.engines,
-        weights=engine.weights,
-        kv_bytes_per_token=engine.kv_per_token,
-        pool=engine.pool,
-        activation_peak=engine.activation,
-        activation_in_pool=engine.in_pool,
-        max_num_batched_tokens=engine.batched_tokens,
-        max_num_seqs=engine.num_seqs,
-        kv_cache=engine.kv_cache,
-        result_buffers=engine.results,
-        full_sequence_tokens=longest,
-        concurrent_full_sequences=full_sequences(engine.pool),
-        generation_sequences_per_engine=engine.sequences_per_engine,
+        **_engine_figures(engine, longest),
         offloaded=[],
         actor_kept=0.0,
         generation_total=generation_total,
@@ -599,7 +591,7 @@ def _separate_engine_gpu(cfg: Config, engine: _EnginePool, cluster: ClusterShape
         max_gpu_memory_utilization=largest,
         max_gpu_memory_utilization_resident=largest,
         max_gpu_memory_utilization_offloaded=largest,
-        concurrent_full_sequences_at_max=full_sequences(largest * gpu),
+        concurrent_full_sequences_at_max=_full_sequences(engine, largest * gpu, longest),
         host_per_gpu=0.0,
         host_per_node=0.0,
         separate=True,

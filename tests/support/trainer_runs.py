@@ -114,3 +114,31 @@ def assert_weights_pushed_every_step(metrics: dict[int, dict], steps: int, gen_b
         assert metrics[step]["train/num_groups_generated"] == gen_batch_size * metrics[step]["train/num_gen_batches"]
         assert metrics[step]["rollout_mismatch/mean_abs"] < 1e-3, metrics[step]
         assert metrics[step]["weight_sync/seconds"] > 0
+
+
+def checkpoint_state(checkpoint: Path) -> dict:
+    """Everything in a checkpoint's distributed state (model, optimizer, scheduler), as plain tensors."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = checkpoint / "flat.pt"
+    dcp_to_torch_save(checkpoint / "dist", target)
+    state = torch.load(target, weights_only=False)
+    target.unlink()
+    return state
+
+
+def state_differences(a, b, path: str = "") -> list[str]:
+    """Where two nested states (dicts, lists, tensors, values) differ; tensors bit for bit."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(set(a) ^ set(b))[:5]}"]
+        return [d for key in a for d in state_differences(a[key], b[key], f"{path}/{key}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, f"{path}[{i}]")]
+    import torch
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [f"{path}: tensors differ"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]

@@ -20,9 +20,9 @@ import os
 import subprocess
 from pathlib import Path
 
-import torch
-
-from tests.support.trainer_runs import CONFIG, FAST, assert_ok, cli, deterministic, read_metrics, workspace_overrides
+from tests.support.trainer_runs import (
+    CONFIG, FAST, assert_ok, checkpoint_state, cli, deterministic, read_metrics, state_differences, workspace_overrides,
+)  # fmt: skip
 
 REWARD = Path(__file__).with_name("preempt_reward.py")
 GEN_BATCH, N = 8, 2
@@ -45,30 +45,6 @@ def _train(output: Path, workspace, *extra: str, env: dict) -> subprocess.Comple
     args = ["train", "--config", str(CONFIG), *SETTINGS, *workspace_overrides(workspace, output), *extra]
     return subprocess.run(cli(*args), cwd=CONFIG.parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-
-
-def _dist_state(checkpoint: Path) -> dict:
-    """Everything in a checkpoint's distributed state (model, optimizer, scheduler), as plain tensors."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = checkpoint / "flat.pt"
-    dcp_to_torch_save(checkpoint / "dist", target)
-    state = torch.load(target, weights_only=False)
-    target.unlink()
-    return state
-
-
-def _differences(a, b, path: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(set(a) ^ set(b))[:5]}"]
-        return [d for key in a for d in _differences(a[key], b[key], f"{path}/{key}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-        return [] if same else [f"{path}: tensors differ"]
-    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
 def test_sigterm_during_generation_redoes_the_step_on_resume(demo_workspace, tmp_path):
@@ -103,7 +79,9 @@ def test_sigterm_during_generation_redoes_the_step_on_resume(demo_workspace, tmp
         a, b = deterministic(resumed[s]), deterministic(reference[s])
         problems = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         assert not problems, f"step {s} differs after the resume:\n" + "\n".join(problems[:20])
-    problems = _differences(_dist_state(stopped / "checkpoints" / "step_00000003"), _dist_state(straight / "checkpoints" / "step_00000003"))
+    problems = state_differences(
+        checkpoint_state(stopped / "checkpoints" / "step_00000003"), checkpoint_state(straight / "checkpoints" / "step_00000003")
+    )
     assert not problems, "final weights / optimizer state differ:\n" + "\n".join(problems[:20])
 
 
