@@ -25,7 +25,7 @@ RECIPES = {
 MOE_RECIPES = sorted(name for name, (model, _) in RECIPES.items() if mp.known_model(model).is_moe)
 # asynchronous recipe (issue 27) -> (the synchronous recipe it changes, nodes of 8 GPUs, of them the engines' GPUs)
 ASYNC_RECIPES = {
-    "dapo_qwen2.5_32b_async.yaml": ("dapo_qwen2.5_32b.yaml", 4, 16),
+    "dapo_qwen2.5_32b_async.yaml": ("dapo_qwen2.5_32b.yaml", 6, 32),
     "dapo_qwen3_30b_a3b_async.yaml": ("dapo_qwen3_30b_a3b.yaml", 3, 8),
 }
 
