@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.trainer_runs import CONFIG, FAST, assert_ok, deterministic, read_metrics, run_cli, workspace_overrides
+from tests.support.trainer_runs import (
+    CONFIG, FAST, assert_ok, checkpoint_state, deterministic, read_metrics, run_cli, state_differences, workspace_overrides,
+)  # fmt: skip
 
 STEPS = 3
 VALIDATION = ["trainer.val_before_train=true", "trainer.eval_every=2"]
 
 
-def _run(workspace, output, nproc: int, *extra: str) -> dict[int, dict]:
+def _run(workspace, output, nproc: int, *extra: str) -> tuple[dict[int, dict], dict]:
+    """(metrics per step, the final checkpoint's model, optimizer and scheduler state)."""
     args = ["train", "--config", str(CONFIG), *FAST, *VALIDATION, "parallel.tp=2", f"trainer.total_steps={STEPS}"]
     assert_ok(run_cli(*args, *workspace_overrides(workspace, output), *extra, nproc=nproc, timeout=600))
-    return read_metrics(output)
+    return read_metrics(output), checkpoint_state(output / "checkpoints" / f"step_{STEPS:08d}")
 
 
 @pytest.fixture(scope="module")
-def runs(demo_workspace, tmp_path_factory):
+def finished(demo_workspace, tmp_path_factory):
     colocated = _run(demo_workspace, tmp_path_factory.mktemp("colocated"), 2)
     separate = _run(demo_workspace, tmp_path_factory.mktemp("separate"), 3, "rollout.placement=separate", "rollout.num_gpus=1")
+    return colocated, separate
+
+
+@pytest.fixture(scope="module")
+def runs(finished):
+    (colocated, _), (separate, _) = finished
     return colocated, separate
 
 
@@ -49,3 +58,9 @@ def test_the_separate_run_is_never_stale_and_its_engine_got_the_weights(runs):
         assert m["async/staleness_max"] == 0 and m["async/staleness_frac_0"] == 1.0
         assert m["weight_sync/seconds"] > 0
         assert m["rollout_mismatch/max_abs"] < 1e-4  # the engine samples with the actor's weights of the step
+
+
+def test_separate_ends_with_the_colocated_runs_weights_and_optimizer_state(finished):
+    (_, colocated), (_, separate) = finished
+    problems = state_differences(colocated, separate)
+    assert not problems, "final weights / optimizer state differ:\n" + "\n".join(problems[:20])
