@@ -100,24 +100,42 @@ class RemoteEngines:
 
     def _ask_all(self, request: Any) -> list:
         """The head: send `request` to every owner (None: send nothing, read the answers they send
-        anyway), return their answers in order (an owner's error raised here). Every trainer rank
-        gets the values."""
-        values = [None]
-        if self.bridge is not None:
+        anyway), return their answers in order. Every trainer rank gets the values, or raises the
+        error an owner answered with."""
+
+        def ask() -> list:
             if request is not None:
                 for owner in self._owners():
                     self.bridge.send(request, owner)
-            values = [[self._answer(owner) for owner in self._owners()]]
-        dist.broadcast_object_list(values, src=0)
-        return values[0]
+            return self._answers()
 
-    def _answer(self, owner: int) -> Any:
-        answer = self.bridge.recv(owner)
-        if not isinstance(answer, Answer):
-            raise RuntimeError(f"engine owner {owner} answered with {answer!r}")
-        if answer.error is not None:
-            raise RuntimeError(f"engine owner {owner} (launch rank {self.layout.engine_leaders()[owner - 1]}): {answer.error}")
-        return answer.value
+        return self._on_head(ask)
+
+    def _on_head(self, work: Callable[[], Any]) -> Any:
+        """`work()` on the head, its value (or its error) on every trainer rank: the others raise
+        with it instead of waiting in a collective for the head that left."""
+        outcome: list = [None]
+        if self.bridge is not None:
+            try:
+                outcome = [("value", work())]
+            except RuntimeError as error:
+                outcome = [("error", str(error))]
+        dist.broadcast_object_list(outcome, src=0)
+        kind, payload = outcome[0]
+        if kind == "error":
+            raise RuntimeError(payload)
+        return payload
+
+    def _answers(self) -> list:
+        """Every owner's answer, in order; read all before raising the first error (an owner whose
+        answer is left unread would wait in its send)."""
+        answers = [self.bridge.recv(owner) for owner in self._owners()]
+        for owner, answer in enumerate(answers, start=1):
+            if not isinstance(answer, Answer):
+                raise RuntimeError(f"engine owner {owner} answered with {answer!r}")
+            if answer.error is not None:
+                raise RuntimeError(f"engine owner {owner} (launch rank {self.layout.engine_leaders()[owner - 1]}): {answer.error}")
+        return [answer.value for answer in answers]
 
     def _owners(self) -> range:
         return range(1, self.count + 1)
@@ -140,12 +158,14 @@ class RemoteEngines:
         for name, tensor in export_megatron_to_hf(models, hf_cfg):
             if self.bridge is not None:
                 self.bridge.broadcast_bucket([(name, tensor)])
+
+        def reports() -> list:
+            self.bridge.broadcast_bucket(None)
+            return self._answers()
+
+        reports = self._on_head(reports)
         if self.bridge is None:
-            dist.broadcast_object_list([None], src=0)
             return [(0, 0, [])]
-        self.bridge.broadcast_bucket(None)
-        reports = [self._answer(owner) for owner in self._owners()]
-        dist.broadcast_object_list([None], src=0)
         for index, report in enumerate(reports):
             if self.count > 1 and printing:
                 say(f"   engine {index + 1} (launch rank {self.layout.engine_leaders()[index]}):")
@@ -190,8 +210,9 @@ def serve_check(args: argparse.Namespace, ctx: Any, make_engine: Callable[[Any],
     try:
         try:
             engine = make_engine(devices)
-        except Exception as error:  # the head reports it instead of waiting for its timeout
+        except Exception as error:  # the head reports it instead of waiting for its timeout ...
             bridge.send(Answer(error=f"the engine did not start: {type(error).__name__}: {error}"), 0)
+            bridge.recv(0)  # ... and tells this owner to stop, which it waits for (a send to a gone rank would hang)
             raise
         bridge.send(Answer("ready"), 0)  # the first answer: the engine is up
         hf_cfg = read_hf_config(args.hf_dir)
