@@ -58,3 +58,33 @@ def test_an_owner_whose_engine_does_not_start_answers_and_waits_for_the_stop():
     assert len(bridge.sent) == 1 and bridge.sent[0][0] == 0
     assert bridge.sent[0][1].error == "the engine did not start: OSError: no model here"
     assert bridge.read_from == [0]  # it left only after the head's stop
+
+
+def test_an_owner_corrupts_compares_and_samples_its_own_engine(tiny_model_dirs):
+    """What an owner does with the head's requests, on a real embedded engine: the self-test's
+    corruption (an unknown name answered as the option's error), then the comparison with the
+    export streamed to it (one bucket per tensor, the end marker), which finds exactly that tensor."""
+    from megatron_dapo.model.hf_config import read_hf_config
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
+    from megatron_dapo.trainer.check_sync_separate import CompareWithExport, CorruptTensor, SampleForCheck, _handle
+
+    model = tiny_model_dirs["qwen2"]
+    engine = EmbeddedEngine(model, dtype=torch.float32, device=torch.device("cpu"))
+    hf_cfg = read_hf_config(model)
+    export = {name: tensor.clone() for name, tensor in engine.named_weights()}  # what the actor would export
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    assert _handle(None, engine, hf_cfg, CorruptTensor("nope")).value == "--corrupt-tensor 'nope': the engine has no such tensor"
+    assert _handle(None, engine, hf_cfg, CorruptTensor(name)) == Answer(None)
+
+    bridge = RecordingBridge()
+    buckets = [[(n, t)] for n, t in export.items()] + [None]
+    bridge.broadcast_bucket = lambda _: buckets.pop(0)
+    report = _handle(bridge, engine, hf_cfg, CompareWithExport(tied=False, only_failures=True, printing=True)).value
+    assert (report.equal, report.compared, report.problems) == (len(export) - 1, len(export), [name])
+    assert len(report.lines) == 1 and report.lines[0].startswith(f"   DIFF  {name}")
+
+    sampled = _handle(None, engine, hf_cfg, SampleForCheck([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, seed=0))).value
+    assert sampled["prompt_index"] == [0, 0] and all(1 <= len(r) <= 4 for r in sampled["responses"])
+    assert [len(lp) for lp in sampled["log_probs"]] == [len(r) for r in sampled["responses"]]
