@@ -33,7 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -171,7 +171,7 @@ class TensorComparison:
     engine is: rank 0 in the colocated placements, each engine owner in the separate one.
     """
 
-    def __init__(self, state: dict, tied: bool, say: Callable[[str], None], only_failures: bool) -> None:
+    def __init__(self, state: Iterable[tuple[str, torch.Tensor]], tied: bool, say: Callable[[str], None], only_failures: bool) -> None:
         self.state, self.tied, self.say, self.only_failures = dict(state), tied, say, only_failures
         self.equal = self.compared = 0
         self.problems: list[str] = []
@@ -223,7 +223,7 @@ def _compare_tensors(engine, models, hf_cfg, say: _Printer, only_failures: bool)
     """
     comparison = None
     if engine is not None:
-        comparison = TensorComparison(dict(engine.named_weights()), bool(getattr(hf_cfg, "tie_word_embeddings", False)), say, only_failures)
+        comparison = TensorComparison(engine.named_weights(), bool(getattr(hf_cfg, "tie_word_embeddings", False)), say, only_failures)
     for name, tensor in export_megatron_to_hf(models, hf_cfg):
         if comparison is not None:
             comparison.add(name, tensor)

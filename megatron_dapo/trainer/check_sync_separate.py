@@ -48,7 +48,6 @@ class SampleForCheck:
 class CompareWithExport:
     """The export follows on the bridge, one tensor per bucket, until the end marker."""
 
-    tied: bool
     only_failures: bool
     printing: bool
 
@@ -85,7 +84,7 @@ class RemoteEngines:
     talks to the owners."""
 
     def __init__(self, args: argparse.Namespace, ctx: Any) -> None:
-        self.args, self.ctx = args, ctx
+        self.args = args
         self.layout = ctx.layout
         self.bridge = ctx.bridge  # the head's end; None on the other trainer ranks
         self.count = self.layout.rollout_engines
@@ -152,18 +151,18 @@ class RemoteEngines:
     def compare(self, models, hf_cfg, say: Callable[[str], None], only_failures: bool) -> list[tuple[int, int, list[str]]]:
         printing = bool(getattr(say, "enabled", True))
         if self.bridge is not None:
-            request = CompareWithExport(bool(getattr(hf_cfg, "tie_word_embeddings", False)), only_failures, printing)
+            request = CompareWithExport(only_failures, printing)
             for owner in self._owners():
                 self.bridge.send(request, owner)
         for name, tensor in export_megatron_to_hf(models, hf_cfg):
             if self.bridge is not None:
                 self.bridge.broadcast_bucket([(name, tensor)])
 
-        def reports() -> list:
+        def end_and_read_reports() -> list:
             self.bridge.broadcast_bucket(None)
             return self._answers()
 
-        reports = self._on_head(reports)
+        reports = self._on_head(end_and_read_reports)
         if self.bridge is None:
             return [(0, 0, [])]
         for index, report in enumerate(reports):
@@ -236,7 +235,8 @@ def _handle(bridge: Any, engine: Any, hf_cfg: Any, message: Any) -> Answer:
 
     if isinstance(message, CompareWithExport):
         lines: list[str] = []
-        comparison = TensorComparison(dict(engine.named_weights()), message.tied, lines.append, message.only_failures)
+        tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+        comparison = TensorComparison(engine.named_weights(), tied, lines.append, message.only_failures)
         while True:
             bucket = bridge.broadcast_bucket(None)
             if bucket is None:

@@ -81,7 +81,7 @@ def test_an_owner_corrupts_compares_and_samples_its_own_engine(tiny_model_dirs):
     bridge = RecordingBridge()
     buckets = [[(n, t)] for n, t in export.items()] + [None]
     bridge.broadcast_bucket = lambda _: buckets.pop(0)
-    report = _handle(bridge, engine, hf_cfg, CompareWithExport(tied=False, only_failures=True, printing=True)).value
+    report = _handle(bridge, engine, hf_cfg, CompareWithExport(only_failures=True, printing=True)).value
     assert (report.equal, report.compared, report.problems) == (len(export) - 1, len(export), [name])
     assert len(report.lines) == 1 and report.lines[0].startswith(f"   DIFF  {name}")
 
