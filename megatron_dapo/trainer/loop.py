@@ -47,7 +47,7 @@ from megatron_dapo.trainer import async_state, metrics, validation
 from megatron_dapo.trainer.checkpointing import resume_run, save_run_checkpoint
 from megatron_dapo.trainer.handover import start_engine
 from megatron_dapo.trainer.metrics import Phase
-from megatron_dapo.trainer.output_dir import checkpoints_dir, open_metrics_logger, plot_run, write_resolved_config
+from megatron_dapo.trainer.output_dir import checkpoints_dir, metrics_file_state, open_metrics_logger, plot_run, write_resolved_config
 from megatron_dapo.trainer.parts import build_policies, build_prompt_sampler, build_reward_manager, build_sampling_buffer, load_datasets
 from megatron_dapo.trainer.preemption import EXIT_PREEMPTED, SigtermFlag, StepStart, TrainingInterrupted
 from megatron_dapo.trainer.remote_rollout import GenerateShare
@@ -92,6 +92,7 @@ class DAPOTrainer:
         self.step = 0
         self.sigterm = SigtermFlag()
         self._last_saved_step: Optional[int] = None
+        self._plotted_from: Optional[tuple[int, int]] = None  # the metrics file the plot was last drawn from
         self.checkpoint_root = checkpoints_dir(runtime.output_dir)
         resumed = self._resume() if resume else False
         self.logger = open_metrics_logger(cfg, runtime.output_dir, enabled=self.rank0, resume_step=self.step if resumed else None)
@@ -441,7 +442,15 @@ class DAPOTrainer:
         self._async_restore = None
 
     def plot(self) -> Optional[Path]:
-        return plot_run(self.cfg, self.runtime.output_dir, say=self.say) if self.rank0 else None
+        """Redraw the run's curves on the logging rank, unless nothing was logged since the last
+        drawing (the last step's save draws them, then the run's end would again: ~2 s each)."""
+        if not self.rank0:
+            return None
+        drawn_from = metrics_file_state(self.runtime.output_dir)
+        if drawn_from is not None and drawn_from == self._plotted_from:
+            return None
+        self._plotted_from = drawn_from
+        return plot_run(self.cfg, self.runtime.output_dir, say=self.say)
 
     def say_rank0(self, text: str) -> None:
         if self.rank0:

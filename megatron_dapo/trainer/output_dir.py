@@ -113,6 +113,16 @@ def open_metrics_logger(cfg: Config, output_dir: Path, *, enabled: bool, resume_
     )  # fmt: skip
 
 
+def metrics_file_state(output_dir: Path) -> Optional[tuple[int, int]]:
+    """(size, modification time in ns) of the run's `metrics.jsonl`, None without one: equal
+    states mean nothing was logged in between (every line is flushed as it is logged)."""
+    try:
+        stat = (Path(output_dir) / METRICS_FILE).stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
 def plot_run(cfg: Config, output_dir: Path, say: Callable[[str], None] = print) -> Optional[Path]:
     """Redraw `plot.png` from `metrics.jsonl` (call it on the logging rank); None without metrics or matplotlib."""
     metrics_file = Path(output_dir) / METRICS_FILE

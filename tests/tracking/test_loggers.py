@@ -366,3 +366,18 @@ def test_console_defaults_to_stdout(tmp_path, capsys):
         logger.log({"critic/score/mean": 0.5}, 1)
     captured = capsys.readouterr()
     assert "score/mean" in captured.out and captured.err == ""
+
+
+def test_the_metrics_file_state_changes_with_every_logged_step(tmp_path):
+    """What lets the trainer skip a redraw of its curves when nothing was logged since the last one
+    (`Trainer.plot`): the state of `metrics.jsonl` moves with every flushed line."""
+    from megatron_dapo.trainer.output_dir import metrics_file_state
+
+    assert metrics_file_state(tmp_path) is None
+    logger = MetricsLogger(tmp_path, ["jsonl"], experiment_name="x", config={})
+    logger.log({"loss": 1.0}, step=1)
+    first = metrics_file_state(tmp_path)
+    assert first is not None and metrics_file_state(tmp_path) == first
+    logger.log({"loss": 0.5}, step=2)
+    assert metrics_file_state(tmp_path) != first
+    logger.close()

@@ -2,9 +2,11 @@
 
 Three processes: a TP=2 trainer and one rollout rank owning the engine. Synchronous, the engine
 samples with the actor's weights of each step (pushed over the bridge): its sampled-token log-probs
-equal the actor's to float32 noise (`rollout_mismatch/max_abs`). One step off with vLLM
-(`trainer.max_staleness=1`), the batches generated ahead were sampled with the weights one update
-older, so from then on the same comparison shows the update's size, and staleness is at most 1.
+equal the actor's to float32 noise (`rollout_mismatch/max_abs`). vLLM runs one step off
+(`trainer.max_staleness=1`; one vLLM start covers both checks): its first step is generated with the
+weights it trains from (the first push, equal to float32 noise), and the batches generated ahead
+were sampled with the weights one update older, so from then on the same comparison shows the
+update's size, and staleness is at most 1. SGLang runs synchronously: every step's push equal.
 """
 
 from __future__ import annotations
@@ -23,21 +25,18 @@ def _run(workspace, output, engine: str, steps: int, *extra: str) -> dict[int, d
     return read_metrics(output)
 
 
-def test_vllm_on_its_own_rank_gets_every_push(require_vllm, demo_workspace, tmp_path):
-    metrics = _run(demo_workspace, tmp_path / "vllm", "vllm", 2)
-    for step in (1, 2):
-        assert metrics[step]["rollout_mismatch/max_abs"] < SAME_WEIGHTS, metrics[step]
-        assert metrics[step]["async/staleness_max"] == 0
-
-
-def test_vllm_one_step_off(require_vllm, demo_workspace, tmp_path):
+def test_vllm_on_its_own_rank_gets_the_pushes_and_runs_one_step_off(require_vllm, demo_workspace, tmp_path):
     metrics = _run(demo_workspace, tmp_path / "vllm-async", "vllm", 3, "trainer.max_staleness=1", "algorithm.tis_cap=2")
-    assert metrics[1]["rollout_mismatch/max_abs"] < SAME_WEIGHTS  # generated with the starting weights, trained from them
+    # step 1: generated after the first push with the starting weights, and trained from them
+    assert metrics[1]["rollout_mismatch/max_abs"] < SAME_WEIGHTS and metrics[1]["async/staleness_max"] == 0
     for step in (2, 3):
         m = metrics[step]
         assert m["async/staleness_max"] <= 1
+        assert m["weight_sync/seconds"] > 0  # every step pushes
         if m["async/staleness_frac_1"] == 1.0:  # generated ahead: one update behind the actor
             assert m["rollout_mismatch/max_abs"] > SAME_WEIGHTS, m
+        elif m["async/staleness_frac_0"] == 1.0:  # generated after this step's push: the actor's weights
+            assert m["rollout_mismatch/max_abs"] < SAME_WEIGHTS, m
     assert any(metrics[s]["async/staleness_frac_1"] == 1.0 for s in (2, 3))
 
 

@@ -10,9 +10,10 @@ hand-over (auto at TP=2); the engine's read-back covers the router and every exp
 * the embedded engine (transformers' fused experts, `model/hf_experts.py`): every tensor equal, PASS.
 * expert parallelism, `--ep 2` (two processes, each holding 2 of the 4 experts of a layer): the sync
   takes the gather path ("auto"; the shard modes are refused at EP > 1), whose export moves the
-  experts between the EP ranks; every tensor equal, PASS, for the embedded engine, vLLM in the
-  leader placement and vLLM spmd (each rank its own TP=1 engine). SGLang at EP=2:
-  tests/rollout/sync/test_sglang_check_sync.py.
+  experts between the EP ranks; every tensor equal, PASS, for the embedded engine and vLLM spmd
+  (each rank its own TP=1 engine). vLLM in the leader placement at EP=2 is the "check-sync MoE"
+  step of `megatron-dapo smoke`, whose log tests/smoke/test_smoke_command.py reads for the same
+  (one vLLM start for both). SGLang at EP=2: tests/rollout/sync/test_sglang_check_sync.py.
 The commands start two at a time (`runs`). The dense models' runs: tests/rollout/sync/test_check_sync.py.
 """
 
@@ -46,13 +47,12 @@ CORRUPTED = "model.layers.1.mlp.experts.2.down_proj.weight"
 
 @pytest.fixture(scope="module")
 def runs(moe_dir) -> dict[str, subprocess.CompletedProcess]:
-    """The three commands, two at a time (the vLLM ones only where vLLM imports; their tests then fail
+    """Every command of the module, two at a time (the vLLM ones only where vLLM imports; their tests then fail
     or skip through `require_vllm`): name -> process."""
     jobs = {
         "vllm_leader": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--corrupt-tensor", CORRUPTED, timeout=900),
         "vllm_spmd": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--tp", "2", "--placement", "spmd", timeout=900),
         "embedded": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "embedded", "--tp", "2", timeout=600),
-        "vllm_leader_ep2": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", timeout=900),
         "vllm_spmd_ep2": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "vllm", "--ep", "2", "--placement", "spmd", timeout=900),
         "embedded_ep2": lambda: run_check_sync("--hf-dir", str(moe_dir), "--engine", "embedded", "--ep", "2", timeout=600),
     }
@@ -97,7 +97,7 @@ def test_embedded_engine_passes_with_every_expert_equal(runs):
     assert largest < 1e-4
 
 
-@pytest.mark.parametrize("name", ["embedded_ep2", "vllm_leader_ep2", "vllm_spmd_ep2"])
+@pytest.mark.parametrize("name", ["embedded_ep2", "vllm_spmd_ep2"])
 def test_expert_parallel_actor_syncs_every_expert(name, runs, request):
     if name.startswith("vllm"):
         request.getfixturevalue("require_vllm")
