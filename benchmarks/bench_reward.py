@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dapo.reward.manager import RewardManager, _batch_decode  # noqa: E402
+from megatron_dapo.reward.manager import RewardManager  # noqa: E402
+from megatron_dapo.reward.scoring import batch_decode  # noqa: E402
 from megatron_dapo.reward.math_dapo import compute_score  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -208,13 +209,13 @@ def main() -> None:
     # a Hugging Face tokenizer: 1-D arrays; and with python lists of ints), then scoring the text.
     arrays = [ids[i, :n].numpy() for i, n in enumerate(lengths.tolist())]
     lists = [a.tolist() for a in arrays]
-    decoded = _batch_decode(tokenizer, arrays)
+    decoded = batch_decode(tokenizer, arrays)
     paths = {
         "serial loop (decode+score+penalty)": lambda: serial_scores(tokenizer, ids, lengths, truths),
         "manager, in-process (num_workers=0)": lambda: inline.score(ids, truths, lengths),
         f"manager, {args.workers} workers score, parent decodes": lambda: pooled_text.score(ids, truths, lengths),
         f"manager, {args.workers} workers decode+score": lambda: pooled.score(ids, truths, lengths),
-        "part: batched decode": lambda: _batch_decode(tokenizer, arrays),
+        "part: batched decode": lambda: batch_decode(tokenizer, arrays),
         "part: batched decode, lists of ints": lambda: tokenizer.batch_decode(lists, skip_special_tokens=True),
         "part: compute_score": lambda: [compute_score(r, t) for r, t in zip(decoded, truths)],
     }

@@ -19,12 +19,10 @@ worker on first use.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import math
 import pickle
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -34,7 +32,8 @@ import torch
 
 from megatron_dapo.reward.loader import RewardFunctionRef, load_reward_function, reward_function_ref
 from megatron_dapo.reward.overlong import overlong_penalty, validate_overlong_settings
-from megatron_dapo.reward.pool import SampleClock, WorkerCannotWork, WorkerPool, default_start_method
+from megatron_dapo.reward.pool import WorkerPool, default_start_method
+from megatron_dapo.reward.scoring import Chunk, SampleResult, ScoringTask, accepted_keywords, batch_decode, score_texts
 
 __all__ = ["RewardManager", "RewardResult"]
 
@@ -42,8 +41,6 @@ logger = logging.getLogger("megatron_dapo.reward")
 
 ScoreFunction = Callable[..., Union[float, dict]]
 
-# Keyword arguments a reward function may opt into by naming them (or by taking **kwargs).
-_OPTIONAL_KEYWORDS = ("validating", "data_source", "extra_info")
 # Per call, at most this many failures are logged one by one; the rest are summed up in one line.
 _MAX_FAILURE_LOGS = 10
 
@@ -149,144 +146,6 @@ class _TokenBatch:
         return flat, offsets
 
 
-def _batch_decode(tokenizer: Any, rows: list[Union[np.ndarray, list[int]]]) -> list[str]:
-    """One batched ``batch_decode(..., skip_special_tokens=True)`` call.
-
-    Hugging Face tokenizers receive 1-D integer arrays: they turn each into a list with one C-level
-    ``tolist()``, whereas a python list gets an element-by-element type check first (about 35% of
-    the whole decode time for ~500-token responses; see docs/PERF.md). Any other tokenizer gets
-    the lists of ints the interface promises.
-    """
-    if not rows:
-        return []
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
-        rows = [row.tolist() if isinstance(row, np.ndarray) else row for row in rows]
-    texts = list(tokenizer.batch_decode(rows, skip_special_tokens=True))
-    if len(texts) != len(rows):
-        raise RuntimeError(f"tokenizer.batch_decode returned {len(texts)} strings for {len(rows)} sequences")
-    return texts
-
-
-# --------------------------------------------------------------------------------------------
-# Calling the reward function (shared by the in-process path and the workers)
-# --------------------------------------------------------------------------------------------
-
-
-def _accepted_keywords(function: Callable[..., Any]) -> frozenset[str]:
-    """Which of `_OPTIONAL_KEYWORDS` the function takes, by name or through **kwargs."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # some builtins and C callables have no signature
-        return frozenset()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return frozenset(_OPTIONAL_KEYWORDS)
-    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    names = {p.name for p in parameters if p.kind in by_name}
-    return frozenset(k for k in _OPTIONAL_KEYWORDS if k in names)
-
-
-def _interpret(output: Any) -> tuple[float, bool, Any]:
-    """(score, acc, pred) from a float-like or ``{"score", "acc"?, "pred"?}`` return value."""
-    if isinstance(output, dict):
-        if "score" not in output:
-            raise ValueError(f"reward function returned a dict without 'score' (keys: {sorted(map(str, output))})")
-        score = float(output["score"])
-        acc = bool(output["acc"]) if "acc" in output else score > 0
-        pred = output.get("pred")
-    else:
-        score = float(output)
-        acc, pred = score > 0, None
-    if not math.isfinite(score):
-        raise ValueError(f"reward function returned a non-finite score {score}")
-    if pred is not None and not isinstance(pred, (str, int, float, bool)):
-        pred = str(pred)  # keeps results small and always picklable
-    return score, acc, pred
-
-
-# One result per sample: (score, acc, pred, error message or None).
-_SampleResult = tuple[float, bool, Any, Optional[str]]
-
-
-@dataclass
-class _Chunk:
-    """Work for one message: texts, or token ids for the worker to decode, plus the labels."""
-
-    ground_truths: list[str]
-    extras: Optional[list[Optional[dict[str, Any]]]]
-    keywords: dict[str, Any]
-    """Keyword arguments of every sample (``validating=``)."""
-    texts: Optional[list[str]] = None
-    flat_ids: Optional[np.ndarray] = None
-    offsets: Optional[np.ndarray] = None
-
-
-def _score_texts(
-    function: Callable[..., Any],
-    texts: Sequence[str],
-    ground_truths: Sequence[str],
-    extras: Optional[Sequence[Optional[dict[str, Any]]]],
-    common_kwargs: dict[str, Any],
-    clock: Optional[SampleClock] = None,
-) -> list[_SampleResult]:
-    """Score in order; exceptions become error results. `clock`: a worker's, told as each sample starts."""
-    results: list[_SampleResult] = []
-    for position, (text, ground_truth) in enumerate(zip(texts, ground_truths)):
-        if clock is not None:
-            clock.start(position)
-        try:
-            extra = extras[position] if extras is not None else None
-            kwargs = common_kwargs if extra is None else {**common_kwargs, **extra}
-            score, acc, pred = _interpret(function(text, ground_truth, **kwargs))
-            results.append((score, acc, pred, None))
-        except Exception as error:  # any failure of user code is a failed sample, never a failed step
-            results.append((math.nan, False, None, f"{type(error).__name__}: {error}"))
-    return results
-
-
-# --------------------------------------------------------------------------------------------
-# What a worker runs
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _ScoringTask:
-    """A worker's task (`pool.WorkerPool`): a reference to load (or the function itself) and,
-    optionally, the tokenizer; both loaded once per worker, on its first chunk."""
-
-    ref: Optional[RewardFunctionRef]
-    function: Optional[Callable[..., Any]]
-    tokenizer_pickle: Optional[bytes]
-    _loaded_function: Optional[Callable[..., Any]] = field(default=None, init=False, repr=False)
-    _tokenizer: Any = field(default=None, init=False, repr=False)
-
-    def __call__(self, chunk: _Chunk, clock: SampleClock) -> list[tuple[_SampleResult, Optional[str]]]:
-        """(result, decoded text or None where the chunk brought texts) per sample of the chunk."""
-        step = "loading the reward function"
-        try:
-            if self._loaded_function is None:
-                self._loaded_function = self.ref.load() if self.ref is not None else self.function
-            texts = chunk.texts
-            if texts is None:
-                step = "loading the tokenizer"
-                if self._tokenizer is None:
-                    self._tokenizer = pickle.loads(self.tokenizer_pickle)  # type: ignore[arg-type]
-                step = "decoding"
-                bounds = chunk.offsets.tolist()  # type: ignore[union-attr]
-                rows = [chunk.flat_ids[bounds[i] : bounds[i + 1]] for i in range(len(chunk.ground_truths))]  # type: ignore[index]
-                texts = _batch_decode(self._tokenizer, rows)
-        except Exception as error:
-            # Not a per-sample failure: this worker cannot do any work, and neither could the next.
-            raise WorkerCannotWork(
-                f"{step} in a reward worker failed: {type(error).__name__}: {error}. The parent process loaded the "
-                "same function and tokenizer, so the workers see a different environment (sys.path, files); "
-                "RewardManager(decode_in_workers=False) keeps decoding in the parent"
-            ) from error
-        results = _score_texts(self._loaded_function, texts, chunk.ground_truths, chunk.extras, chunk.keywords, clock)  # type: ignore[arg-type]
-        decoded = chunk.texts is None
-        return [(result, text if decoded else None) for result, text in zip(results, texts)]
-
-
 # --------------------------------------------------------------------------------------------
 # The manager
 # --------------------------------------------------------------------------------------------
@@ -349,7 +208,7 @@ class RewardManager:
         if not callable(score_fn):
             raise ValueError(f"score_fn must be callable or a 'module:function' string, got {type(score_fn).__name__}")
         self.score_fn: ScoreFunction = score_fn
-        self._accepted = _accepted_keywords(score_fn)
+        self._accepted = accepted_keywords(score_fn)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.overlong_enable = overlong_enable
@@ -360,10 +219,10 @@ class RewardManager:
         self.chunk_size = chunk_size
         self.start_method = start_method or default_start_method()
 
-        self._task: Optional[_ScoringTask] = None
+        self._task: Optional[ScoringTask] = None
         if num_workers > 0:
             ref, function = self._function_for_workers(score_fn)
-            self._task = _ScoringTask(ref, function, self._tokenizer_for_workers(decode_in_workers))
+            self._task = ScoringTask(ref, function, self._tokenizer_for_workers(decode_in_workers))
         self.decode_in_workers = self._task is not None and self._task.tokenizer_pickle is not None
         self._pool: Optional[WorkerPool] = None
         self.samples_scored = 0
@@ -403,8 +262,9 @@ class RewardManager:
     def _ensure_pool(self) -> WorkerPool:
         if self._pool is None:
             assert self._task is not None
-            # The forkserver imports the task's module (this one) and the tokenizer's once for all workers.
-            preload = [__name__] + ([type(self.tokenizer).__module__] if self.decode_in_workers else [])
+            # The forkserver imports the task's module (`scoring`, without torch) and the tokenizer's once
+            # for all workers.
+            preload = [ScoringTask.__module__] + ([type(self.tokenizer).__module__] if self.decode_in_workers else [])
             self._pool = WorkerPool(self.num_workers, self._task, self.timeout_s, self.start_method, preload)
         return self._pool
 
@@ -458,31 +318,31 @@ class RewardManager:
         lost: dict[int, str] = {}
         if count == 0:
             responses: list[str] = []
-            results: list[Optional[_SampleResult]] = []
+            results: list[Optional[SampleResult]] = []
         elif self.num_workers == 0:
-            responses = _batch_decode(self.tokenizer, tokens.rows())
-            results = list(_score_texts(self.score_fn, responses, ground_truths, extras, common))
+            responses = batch_decode(self.tokenizer, tokens.rows())
+            results = list(score_texts(self.score_fn, responses, ground_truths, extras, common))
         elif self.decode_in_workers:
 
-            def build(indices: list[int]) -> _Chunk:
+            def build(indices: list[int]) -> Chunk:
                 flat, offsets = tokens.take(indices)
                 labels = [ground_truths[i] for i in indices]
-                return _Chunk(labels, _pick(extras, indices), common, flat_ids=flat, offsets=offsets)
+                return Chunk(labels, _pick(extras, indices), common, flat_ids=flat, offsets=offsets)
 
             outputs, lost = self._ensure_pool().run(count, build, self.chunk_size)
             results = [None if output is None else output[0] for output in outputs]
             texts = [None if output is None else output[1] for output in outputs]
             missing = [i for i, text in enumerate(texts) if text is None]
             if missing:  # samples lost with a timed-out or crashed worker
-                for index, text in zip(missing, _batch_decode(self.tokenizer, tokens.rows(missing))):
+                for index, text in zip(missing, batch_decode(self.tokenizer, tokens.rows(missing))):
                     texts[index] = text
             responses = texts  # type: ignore[assignment]
         else:
-            responses = _batch_decode(self.tokenizer, tokens.rows())
+            responses = batch_decode(self.tokenizer, tokens.rows())
 
-            def build(indices: list[int]) -> _Chunk:
+            def build(indices: list[int]) -> Chunk:
                 labels = [ground_truths[i] for i in indices]
-                return _Chunk(labels, _pick(extras, indices), common, texts=[responses[i] for i in indices])
+                return Chunk(labels, _pick(extras, indices), common, texts=[responses[i] for i in indices])
 
             outputs, lost = self._ensure_pool().run(count, build, self.chunk_size)
             results = [None if output is None else output[0] for output in outputs]
@@ -508,7 +368,7 @@ class RewardManager:
 
     def _assemble(
         self,
-        results: list[Optional[_SampleResult]],
+        results: list[Optional[SampleResult]],
         lost: dict[int, str],
         responses: list[str],
         lengths: list[int],
