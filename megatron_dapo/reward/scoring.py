@@ -3,7 +3,8 @@
 
 Its own module, which imports no torch: the reward pool's forkserver preloads the module of its
 task (`pool.WorkerPool`), and torch there would cost every run's first scoring ~2 s of start-up
-(docs/PERF.md). The manager (`manager.py`) builds the chunks and shapes the results.
+(docs/PERF.md, "What the reward pool's forkserver imports"). The manager (`manager.py`) builds the
+chunks and shapes the results.
 """
 
 from __future__ import annotations
