@@ -82,6 +82,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_start_rank)  # stable: every file keeps its own order
 
 
+# `TEST_CPU_LOG=path`: one JSON line per test with the CPU seconds it cost (this pytest process and
+# every child process reaped during it: ranks, engines, reward workers), from setup to teardown. Under
+# `-n 2` the wall time of a test includes waits for a launch slot and a busy core; its CPU time is the
+# work it adds to the suite, which is what the run's wall time is made of (docs/TEST_DURATIONS.md).
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    start_cpu, start_wall = cpu(), time.monotonic()
+    yield
+    line = {"test": item.nodeid, "cpu": round(cpu() - start_cpu, 2), "wall": round(time.monotonic() - start_wall, 2)}
+    with open(path, "a") as log:
+        log.write(json.dumps(line) + "\n")
+
+
 def pytest_unconfigure(config):
     if "VLLM_CACHE_ROOT" in _VLLM_SESSION_ENV:
         shutil.rmtree(_VLLM_SESSION_ENV["VLLM_CACHE_ROOT"], ignore_errors=True)
