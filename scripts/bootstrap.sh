@@ -14,16 +14,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TARGETS="demo|test|test-one|test-fast|test-second-stack|test-megatron-range|install|install-sglang-cpu"
+TARGETS="demo|test|test-one|test-fast|test-second-stack|test-megatron-range|install|install-test|install-sglang-cpu"
 target="${1:-}"
-case "$target" in demo|test|test-one|test-fast|test-second-stack|test-megatron-range|install|install-sglang-cpu) ;;
+case "$target" in demo|test|test-one|test-fast|test-second-stack|test-megatron-range|install|install-test|install-sglang-cpu) ;;
     *) echo "usage: $0 {$TARGETS}" >&2; exit 2 ;; esac
 # The test targets install what `test` installs. test: both stacks (below); test-one: the whole suite
 # on this environment alone; test-fast: the tests that launch nothing heavy (tests/conftest.py);
 # test-second-stack: the fast tier and the numerics launch files (SECOND_STACK_FILES in
 # tests/support/tiers.py); test-megatron-range: that selection again on each other Megatron-Core release
 # of the supported range (MEGATRON_RANGE, default "0.17.1 0.18.2"), in a Python 3.12 environment.
-testing() { case "$target" in test|test-one|test-fast|test-second-stack|test-megatron-range) return 0 ;; esac; return 1; }
+# install-test: what the test targets install, without running a test.
+testing() { case "$target" in test|test-one|test-fast|test-second-stack|test-megatron-range|install-test) return 0 ;; esac; return 1; }
 
 # `make test` runs two stacks, each in its own environment: the whole suite on this one (default:
 # Python 3.11, where pip's newest megatron-core is 0.16.x) and the second-stack selection on Python
@@ -33,6 +34,16 @@ if [ "$target" = "test" ] || [ "$target" = "test-megatron-range" ]; then
     SECOND_STACK_VENV="${SECOND_STACK_VENV:-.venv-py312}"
 fi
 if [ "$target" = "test-megatron-range" ]; then PYTHON="$SECOND_STACK_PYTHON"; VENV="$SECOND_STACK_VENV"; fi
+# `make test`: the second stack installs in the background while the first installs and runs (a
+# download-bound ~5 minutes, off the critical path); its tests wait for it, and install whatever it
+# left undone themselves (every step below is skipped when already done).
+second_stack_install_pid=""
+if [ "$target" = "test" ] && [ "${SECOND_STACK:-1}" != "0" ]; then
+    second_stack_install_log="$(mktemp)"
+    PYTHON="$SECOND_STACK_PYTHON" VENV="$SECOND_STACK_VENV" bash "$0" install-test > "$second_stack_install_log" 2>&1 &
+    second_stack_install_pid=$!
+    echo "[bootstrap] installing the second stack ($SECOND_STACK_VENV) in the background"
+fi
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
@@ -74,7 +85,12 @@ testing && extras="test,plot"
 stamp="$VENV/.megatron-dapo-$(cat setup.py | sha1sum | cut -c1-12)-$extras"
 if [ ! -f "$stamp" ]; then
     echo "[bootstrap] installing megatron-dapo[$extras] (editable)"
+    # One editable build of this checkout at a time: `make test` installs its two stacks at once, and
+    # setuptools writes the build metadata into the source tree.
+    exec 9> "${TMPDIR:-/tmp}/megatron-dapo-editable-$(echo "$PWD" | sha1sum | cut -c1-12).lock"
+    flock 9
     pip_install -e ".[$extras]"
+    flock -u 9; exec 9>&-
     "$PY" -c "import megatron_dapo, megatron.core" || { echo "[bootstrap] install failed" >&2; exit 1; }
     touch "$stamp"
 fi
@@ -179,7 +195,7 @@ run_pytest() {
     return $rc
 }
 case "$target" in
-    install|install-sglang-cpu) echo "[bootstrap] environment ready: $VENV" ;;
+    install|install-test|install-sglang-cpu) echo "[bootstrap] environment ready: $VENV" ;;
     demo) exec "$VENV/bin/megatron-dapo" demo ${DEMO_ARGS:-} ;;
     test-one) run_pytest "the whole suite" ;;
     test-fast) exec "$PY" -m pytest -q -m "not launch" ${PYTEST_ARGS:-} tests ;;
@@ -190,6 +206,10 @@ case "$target" in
         rc=0
         run_pytest "the whole suite" || rc=1
         if [ "${SECOND_STACK:-1}" != "0" ]; then
+            install_rc=0
+            wait "$second_stack_install_pid" || install_rc=$?
+            echo "[bootstrap] the second stack's background install (exit $install_rc):"
+            cat "$second_stack_install_log"; rm -f "$second_stack_install_log"
             PYTHON="$SECOND_STACK_PYTHON" VENV="$SECOND_STACK_VENV" bash "$0" test-second-stack || rc=1
         fi
         exit $rc ;;
