@@ -61,5 +61,5 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.4"],
         "plot": ["matplotlib>=3.8", "tensorboard>=2.15"],
     },
-    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli.main:main"]},
+    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli.main:entry"]},
 )

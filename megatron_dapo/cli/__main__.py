@@ -1,7 +1,5 @@
 """`python -m megatron_dapo.cli ...` (what torchrun and srun launch) = the `megatron-dapo` command."""
 
-import sys
+from megatron_dapo.cli.main import entry
 
-from megatron_dapo.cli.main import main
-
-sys.exit(main())
+entry()

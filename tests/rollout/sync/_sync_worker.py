@@ -14,7 +14,7 @@ whole launch; the other ranks own none but take part in every collective. Per la
 4. the engine samples responses; the actor's forward-only log-probs of them are compared with the
    engine's (the training / inference mismatch);
 5. one real `actor.update` on those responses, sync, bit equality again, mismatch again;
-6. `rounds` cheap update + sync rounds: every parameter is multiplied in place by a factor that
+6. `rounds` cheap update + sync rounds (in buckets of `rounds_bucket_mb`): every parameter is multiplied in place by a factor that
    changes every round, and an HF-named mirror on rank 0 is multiplied by the same factor (elementwise
    float32 products are bitwise the same on shards and on full tensors, so the mirror is an
    independent reference, not the export). After each sync the engine's per-tensor checksums must
@@ -213,7 +213,9 @@ def _config(layout_spec: dict):
     return cfg
 
 
-def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bucket_mb: float = 0.03, engine_tp: int = 1) -> None:
+def run_layouts(
+    model_dir: str, layouts: list, engine_kind: str = "embedded", bucket_mb: float = 0.03, engine_tp: int = 1, rounds_bucket_mb: float = 0.25
+) -> None:
     import torch.distributed as dist
 
     from megatron_dapo.actor import build_actor
@@ -292,7 +294,7 @@ def run_layouts(model_dir: str, layouts: list, engine_kind: str = "embedded", bu
             for r in range(spec.get("rounds", 0)):
                 factor = round_factor(r)
                 scale_parameters(gpt, factor)
-                rollout.sync_weights(gpt, hf_cfg, bucket_mb)
+                rollout.sync_weights(gpt, hf_cfg, rounds_bucket_mb)
                 if engine is None:
                     continue
                 for tensor in mirror.values():

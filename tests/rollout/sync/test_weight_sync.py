@@ -54,12 +54,16 @@ VLLM_LAYOUTS = [{key: value for key, value in {**spec, "rounds": 5}.items() if k
 # The engine's TP equals the actor's: a 2-worker vLLM engine fed by a TP=2 actor (2 processes).
 VLLM_TP2_LAYOUTS = [{"name": "tp2_engine_tp2", "tp": 2, "pp": 1, "rounds": 10, "dist_opt": True, "sync_mode": "shared_memory"}]
 BUCKET_MB = 0.03  # ~31 KB: the tiny model (~0.75 MB) travels in ~20 buckets, the embedding alone
+# The rounds check that no tensor goes stale over many syncs, not the bucketing (the first two syncs
+# of each layout do): they sync in ~3 buckets, which makes a round ~5x cheaper here than in ~20.
+ROUNDS_BUCKET_MB = 0.25
 MEAN_LOGPROB_DIFF = 1e-5
 MAX_LOGPROB_DIFF = 5e-5
 
 
 def _launch(model_dir: Path, engine: str, timeout: float, layouts=LAYOUTS, nproc: int = 4, engine_tp: int = 1):
-    kwargs = {"model_dir": str(model_dir), "layouts": layouts, "engine_kind": engine, "bucket_mb": BUCKET_MB, "engine_tp": engine_tp}
+    kwargs = {"model_dir": str(model_dir), "layouts": layouts, "engine_kind": engine, "bucket_mb": BUCKET_MB, "engine_tp": engine_tp,
+              "rounds_bucket_mb": ROUNDS_BUCKET_MB}  # fmt: skip
     return run_torchrun_script(WORKER, nproc=nproc, args=[json.dumps(kwargs)], timeout=timeout, preloaded=True)
 
 
