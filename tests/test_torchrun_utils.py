@@ -92,6 +92,22 @@ def test_a_dead_zygote_is_named_and_replaced(monkeypatch, tmp_path):
     assert run_torchrun_function(WORKER, "finish", nproc=1, use_torchrun=False, timeout=120).check().rank_results == [{"done": True}]
 
 
+def test_a_launch_the_dead_zygote_cannot_take_starts_with_torchrun(monkeypatch, capsys):
+    """The zygote died between the check for a live one and the launch: the launch still runs."""
+    from tests.support import rank_zygote
+
+    monkeypatch.setenv("TORCHRUN_TEST_LAUNCHER", "zygote")
+    dead = rank_zygote.shared_zygote(_child_env(None, None))
+    dead._proc.kill()
+    dead._proc.wait()
+    monkeypatch.setattr(rank_zygote, "shared_zygote", lambda env: dead)
+    result = run_torchrun_function(WORKER, "finish", nproc=1, use_torchrun=False, timeout=120).check()
+    assert result.rank_results == [{"done": True}]
+    assert "zygote is gone" in capsys.readouterr().err
+    env = {**_child_env(None, None), "OMP_NUM_THREADS": "1"}
+    assert run_module_forked("tests.support.harness_worker", ["0"], nproc=1, env=env, cwd=REPO_ROOT, timeout=120) is None
+
+
 def test_launch_slots_bound_the_launches_of_every_worker(tmp_path, monkeypatch):
     """Two slots: a third launch waits until one ends, whichever process or thread holds them; a
     thread that holds one takes none more (nested launches do not wait on themselves)."""

@@ -14,8 +14,10 @@ Opt-in with `TORCHRUN_TEST_LAUNCHER=zygote`: then `torchrun_utils.run_torchrun_f
 scripts launched with `preloaded=True` and the trainer tests' CLI runs (`run_module_forked`) fork
 their ranks from it; the SLURM-style launches and every other command use the real launchers. Off
 by default: in its one full-suite run (docs/TEST_DURATIONS.md) one worker's zygote died part-way,
-for a reason not found yet, and every later launch of that worker failed. A dead zygote is
-replaced at the next launch, and the end of its own output (a file) is quoted. The zygote refuses
+for a reason not found yet, and every later launch of that worker failed. Now a dead zygote costs
+no launch: the ranks it forked before run on (their supervisor does not need it), a launch it can no
+longer take starts with torchrun (`ZygoteGone`), the next launch gets a new zygote, and the end of
+the dead one's output (a file) is quoted. The zygote refuses
 to serve (launches then fall back to torchrun) if its imports started a thread, since forking a
 multi-threaded process is unsafe.
 
@@ -198,6 +200,11 @@ def serve() -> None:
 # ---- the test side ----------------------------------------------------------------------------
 
 
+class ZygoteGone(RuntimeError):
+    """The zygote died before it took a launch (the launches it forked before run on): the caller
+    starts that launch with torchrun instead, and the next `shared_zygote` starts a new zygote."""
+
+
 class Zygote:
     """One zygote per pytest process, started on first use; `launch` is thread-safe."""
 
@@ -229,7 +236,7 @@ class Zygote:
                 self._proc.stdin.flush()
                 return int(json.loads(self._proc.stdout.readline())["supervisor"])
             except (BrokenPipeError, ValueError) as error:
-                raise RuntimeError(f"the rank zygote is gone (exit status {self._proc.poll()}); {self.last_words()}") from error
+                raise ZygoteGone(f"the rank zygote is gone (exit status {self._proc.poll()}); {self.last_words()}") from error
 
     def last_words(self) -> str:
         """The end of the zygote's own output, to name why it died."""

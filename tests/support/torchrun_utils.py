@@ -284,8 +284,10 @@ def run_torchrun_script(
         result_dir = Path(tmp) / "results"
         result_dir.mkdir()
         zygote = rank_zygote.shared_zygote(_child_env(None, None)) if preloaded and not env else None
-        if zygote is not None:
-            return _run_forked(zygote, Path(script).resolve(), nproc, use_torchrun, timeout, result_dir, Path(tmp), args=args)
+        forked = None if zygote is None else _run_forked(zygote, Path(script).resolve(), nproc, use_torchrun, timeout, result_dir,
+                                                         Path(tmp), args=args)  # fmt: skip
+        if forked is not None:
+            return forked
         cmd = [*_launcher(nproc, use_torchrun), str(script), *map(str, args)]
         return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
 
@@ -324,10 +326,10 @@ def run_torchrun_function(
     """
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
         result_dir, entry = _write_entry(Path(tmp), module_file, function, kwargs)
-        forked = not env and not fresh_interpreter
-        zygote = rank_zygote.shared_zygote(_child_env(None, None)) if forked else None
-        if zygote is not None:
-            return _run_forked(zygote, entry, nproc, use_torchrun, timeout, result_dir, Path(tmp))
+        zygote = rank_zygote.shared_zygote(_child_env(None, None)) if not env and not fresh_interpreter else None
+        forked = None if zygote is None else _run_forked(zygote, entry, nproc, use_torchrun, timeout, result_dir, Path(tmp))
+        if forked is not None:
+            return forked
         cmd = [*_launcher(nproc, use_torchrun), str(entry)]
         return _run(cmd, _child_env(result_dir, env), timeout, result_dir, nproc)
 
@@ -357,7 +359,10 @@ def run_module_forked(
         log_dir = Path(tmp)
         with launch_slot():
             start = time.monotonic()
-            codes = zygote.run(envs, log_dir, timeout, module=module, args=args, cwd=str(cwd), split_streams=True)
+            try:
+                codes = zygote.run(envs, log_dir, timeout, module=module, args=args, cwd=str(cwd), split_streams=True)
+            except rank_zygote.ZygoteGone as gone:
+                return _without_zygote(gone)
         streams = {
             name: "".join((log_dir / f"rank{rank}.{name}").read_text(errors="replace")
                           for rank in range(nproc) if (log_dir / f"rank{rank}.{name}").exists())
@@ -371,9 +376,15 @@ def run_module_forked(
     return subprocess.CompletedProcess(cmd, returncode, streams["stdout"], streams["stderr"])
 
 
+def _without_zygote(gone: Exception) -> None:
+    """Say that a launch the dead zygote could not take starts the usual way (its caller does that)."""
+    print(f"torchrun_utils: {gone}\nthis launch starts with torchrun", file=sys.stderr)
+
+
 def _run_forked(
     zygote, entry: Path, nproc: int, use_torchrun: bool, timeout: float, result_dir: Path, tmp: Path, args: Sequence[str] = ()
-) -> TorchrunResult:
+) -> Optional[TorchrunResult]:
+    """The launch's ranks forked from `zygote`; None if the zygote died before it took the launch."""
     if not use_torchrun and nproc != 1:
         raise ValueError("use_torchrun=False runs exactly one process")
     base = _child_env(result_dir, None)
@@ -382,7 +393,10 @@ def _run_forked(
     log_dir.mkdir()
     with launch_slot():
         start = time.monotonic()
-        codes = zygote.run(envs, log_dir, timeout, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
+        try:
+            codes = zygote.run(envs, log_dir, timeout, entry=str(entry), args=[str(a) for a in args], cwd=os.getcwd())
+        except rank_zygote.ZygoteGone as gone:
+            return _without_zygote(gone)
     timed_out = codes is None
     codes = codes or [-signal.SIGKILL] * nproc
     seconds = time.monotonic() - start
