@@ -10,12 +10,11 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT in its environment, `python entry.py`'s sys
 handlers run) less the teardown of the preloaded modules. As under torchrun, one failing rank
 stops the others (SIGTERM, then SIGKILL) and the launch exits 1.
 
-Opt-in with `TORCHRUN_TEST_LAUNCHER=zygote`: then `torchrun_utils.run_torchrun_function`, the
-scripts launched with `preloaded=True` and the trainer tests' CLI runs (`run_module_forked`) fork
-their ranks from it; the SLURM-style launches and every other command use the real launchers. Off
-by default: in its one full-suite run (docs/TEST_DURATIONS.md) one worker's zygote died part-way,
-for a reason not found yet, and every later launch of that worker failed. Now a dead zygote costs
-no launch: the ranks it forked before run on (their supervisor does not need it), a launch it can no
+The default (`TORCHRUN_TEST_LAUNCHER=torchrun` turns it off): `torchrun_utils.run_torchrun_function`,
+the scripts launched with `preloaded=True` and the trainer tests' CLI runs (`run_module_forked`)
+fork their ranks from it; the SLURM-style launches and every other command use the real launchers.
+In its first full-suite run (docs/TEST_DURATIONS.md) one worker's zygote died part-way, for a
+reason not found, and every later launch of that worker failed. Now a dead zygote costs no launch: the ranks it forked before run on (their supervisor does not need it), a launch it can no
 longer take starts with torchrun (`ZygoteGone`), the next launch gets a new zygote, and the end of
 the dead one's output (a file) is quoted. The zygote refuses
 to serve (launches then fall back to torchrun) if its imports started a thread, since forking a
@@ -271,7 +270,7 @@ _zygote_lock = threading.Lock()
 def shared_zygote(env: dict[str, str]) -> Optional[Zygote]:
     """This process's zygote (None when turned off or refused: launch with torchrun then)."""
     global _zygote
-    if os.environ.get(LAUNCHER_ENV, "torchrun") != "zygote":
+    if os.environ.get(LAUNCHER_ENV, "zygote") != "zygote":
         return None
     with _zygote_lock:
         if _zygote is not None and _zygote._proc.poll() is not None:

@@ -319,7 +319,7 @@ def run_torchrun_function(
 ) -> TorchrunResult:
     """Call `function(**kwargs)` from the Python file `module_file` on `nproc` ranks.
 
-    With TORCHRUN_TEST_LAUNCHER=zygote the ranks are forked from this process's zygote
+    The ranks are forked from this process's zygote (TORCHRUN_TEST_LAUNCHER=torchrun: never)
     (`rank_zygote`: the libraries already imported, torchrun's environment), unless `env` is given
     (it might be read at import time) or `fresh_interpreter` (a test of what gets imported);
     otherwise torchrun (or `python`) starts them.
