@@ -58,6 +58,7 @@ __all__ = [
     "gather_group",
     "gather_group_options",
     "init_distributed",
+    "leave_together",
     "process_role",
     "teardown",
 ]
@@ -177,7 +178,7 @@ def init_distributed(
     else:
         device = torch.device("cpu")
 
-    global _role
+    global _role, _launch_world
     bridge = None
     role = layout.role(launch.rank) if layout.separate else "trainer"
     _role = role
@@ -192,6 +193,7 @@ def init_distributed(
         if layout.separate:
             # Two worlds from the launch's one store (`bridge.split_worlds`): Megatron sees the trainer's.
             store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout))
+            _launch_world = (store, launch.rank, launch.world_size)  # where the two worlds leave together
             own_store, own_rank, own_world = split_worlds(store, layout, launch.rank)
             dist.init_process_group(backend=backend, store=own_store, rank=own_rank, world_size=own_world, timeout=timeout)
             bridge = Bridge.connect(store, bridge_members(layout), launch.rank, device, gather_timeout_s)
@@ -239,11 +241,53 @@ def _seed_everything(seed: int) -> None:
         pass
     torch.manual_seed(seed)
 
-def teardown(keep_process_group: bool = False) -> None:
+LEAVE_TIMEOUT_S = 300.0
+"""How long rank 0 waits at the end of a run for the other ranks to leave (`leave_together`): an
+engine's shut-down takes seconds; a rank that never comes has failed, and the job with it."""
+_LEFT_KEY = "mdapo/left"
+_LEAVE_POLL_S = 0.05
+_launch_world: Optional[tuple[Any, int, int]] = None
+"""The separate placement's launch-wide (store, rank, world size): its trainer and rollout worlds
+each have a default group of their own, over a prefix of this one store."""
+
+
+def leave_together(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """At the end of a run every rank ends the same way: each rank but 0 checks out in the job's
+    store, and rank 0 waits for all of them before it goes on to exit.
+
+    Where the ranks rendezvous themselves (srun, or any env:// launch), the store lives in rank 0's
+    process (torchrun's agent holds it otherwise), and a rank that uses it after rank 0 has exited
+    fails ("Connection was likely closed"): the separate placement's engine owners count themselves
+    done there after shutting their engines down, which takes longer than the trainer's exit. False
+    when rank 0 stopped waiting after `timeout_s` (it says so; the missing rank has failed). In the
+    separate placement, over the whole launch: its two worlds share that store."""
+    if _launch_world is not None:
+        store, rank, world = _launch_world
+    else:
+        store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return True
+    if rank != 0:
+        store.add(_LEFT_KEY, 1)
+        return True
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (left := int(store.add(_LEFT_KEY, 0))) < world - 1:
+        if time.monotonic() > deadline:
+            print(f"[megatron-dapo] rank 0 leaves without waiting longer: {left} of the {world - 1} other ranks "
+                  f"left within {timeout_s:g} s", flush=True)  # fmt: skip
+            return False
+        time.sleep(_LEAVE_POLL_S)
+    return True
+
+
+def teardown(keep_process_group: bool = False, together: bool = False) -> None:
     """Destroy Megatron's model-parallel groups and the default process group (safe to call twice).
 
     With `keep_process_group`, only Megatron's groups go: `init_distributed` can then set up another
-    layout over the same processes (tests do this to try several layouts in one launch).
+    layout over the same processes (tests do this to try several layouts in one launch). With
+    `together` (a run every rank ended normally), the ranks first `leave_together`.
     """
     try:
         from megatron.core import parallel_state
@@ -251,12 +295,15 @@ def teardown(keep_process_group: bool = False) -> None:
         parallel_state.destroy_model_parallel()
     except ImportError:
         pass
-    global _role
+    global _role, _launch_world
     _role = "trainer"
     if dist.is_initialized() and not keep_process_group:
+        if together:
+            leave_together()
         liveness.stop_beating()  # its store goes with the default group
         dist.destroy_process_group()  # every group, the gather group included
         _forget_gather_group()
+        _launch_world = None
     elif not dist.is_initialized():
         liveness.stop_beating()
         _forget_gather_group()

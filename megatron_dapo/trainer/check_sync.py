@@ -324,11 +324,13 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
     say = _Printer(ctx.rank == 0)
     engines = None
     passed = False
+    finished = False  # every rank got to the end: they leave together (distributed.setup.leave_together)
     try:
         if ctx.role == "rollout":
             from megatron_dapo.trainer.check_sync_separate import serve_check
 
             serve_check(args, ctx, lambda devices: _make_engine(args, ctx.device, torch_dtype, devices))
+            finished = True
             return True
         hf_cfg = read_hf_config(args.hf_dir)
         layout = ctx.layout
@@ -415,10 +417,11 @@ def run_check(args: argparse.Namespace, env: Optional[dict] = None, result_file:
         passed = bool(flag.item())
         if ctx.rank == 0 and result_file is not None:
             result_file.write_text(json.dumps({"passed": passed}))
+        finished = True
     finally:
         if engines is not None:
             engines.close()
-        teardown()
+        teardown(together=finished)
     return passed
 
 

@@ -474,17 +474,27 @@ def train(
     runtime = start(
         cfg, say=say, resume=resume, overwrite=overwrite, reference=cfg.algorithm.kl.use_kl_loss, layout=layout
     )
+    # A run every rank ends the same way (done, or the preemption's exit 143) ends with the ranks
+    # leaving together: the engine owners of the separate placement use the job's store after the
+    # trainer is done (distributed.setup.leave_together).
+    orderly = False
     if runtime.ctx.role == "rollout":  # the separate placement's engine ranks serve the trainer's head
         try:
             serve_rollout(cfg, runtime, say=say)
+            orderly = True
         finally:
-            teardown()
+            teardown(together=orderly)
         return {}
     if is_logging_rank():
         write_resolved_config(cfg, runtime.output_dir)
     trainer = DAPOTrainer(cfg, runtime, resume=resume, say=say)
     try:
-        return trainer.fit()
+        metrics = trainer.fit()
+        orderly = True
+        return metrics
+    except TrainingInterrupted:
+        orderly = True
+        raise
     finally:
         trainer.close()
-        teardown()
+        teardown(together=orderly)

@@ -40,3 +40,25 @@ def init_from_slurm() -> dict:
     out["after_teardown"] = {"dist": dist.is_initialized(), "megatron": ps.model_parallel_is_initialized()}
     teardown()  # a second call is harmless
     return out
+
+
+def leave_together_after_a_late_store_use(late_s: float) -> None:
+    """Rank 1 uses the job's store `late_s` after rank 0 is done (as an engine owner counts itself
+    done after shutting its engine down); rank 0, the store's host under srun, leaves together with
+    the others and then exits at once. Each rank writes what it saw; rank 1 fails if the store was gone."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_dapo.distributed import ParallelLayout, init_distributed, teardown
+    from tests.support.torchrun_utils import write_rank_result
+
+    ctx = init_distributed(ParallelLayout(), timeout_s=120, seed=7)
+    started = time.monotonic()
+    if ctx.rank == 1:
+        time.sleep(late_s)
+        dist.distributed_c10d._get_default_store().add("late_use", 1)
+    teardown(together=True)
+    write_rank_result({"rank": ctx.rank, "left_after_s": time.monotonic() - started})
+    os._exit(0)  # the store's host goes as soon as it may

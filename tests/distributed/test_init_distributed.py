@@ -42,3 +42,14 @@ def test_reinitialise_and_teardown(slurm_results):
     assert [r["pp_rank"] for r in slurm_results] == [0, 1]
     # Megatron's seeding convention: seed + 100 * pipeline rank.
     assert [r["seeded"] for r in slurm_results] == [7, 107]
+
+
+def test_rank_0_hosting_the_store_leaves_after_the_others():
+    """Under srun rank 0's process hosts the job's store; a rank that still uses it after rank 0 is
+    done (an engine owner counting itself done after its engine's shut-down) needs rank 0 to wait:
+    `teardown(together=True)` makes every rank check out and rank 0 leave last."""
+    late_s = 2.0
+    result = run_slurm_function(WORKER, "leave_together_after_a_late_store_use", ntasks=2, kwargs={"late_s": late_s}, timeout=180)
+    result.check()
+    by_rank = {r["rank"]: r for r in result.rank_results}
+    assert by_rank[0]["left_after_s"] >= late_s, by_rank

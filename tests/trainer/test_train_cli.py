@@ -67,7 +67,9 @@ def _env() -> dict[str, str]:
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    """`command` (a one-process `cli(...)`) through `run_cli`: ranks forked from the zygote where it runs."""
+    assert command[1:3] == ["-m", "megatron_dapo.cli"], command
+    return run_cli(*command[3:], timeout=600, threads=1)
 
 
 def _run_stopped_after_step_3(command: list[str], output_dir: Path) -> subprocess.CompletedProcess:
