@@ -92,6 +92,7 @@ def run_sft(cfg: Config, say=print, keep_process_group: bool = False) -> Path:
             raise ConfigError(f"'sft.train_files' names {path}, which does not exist")
     view = sft_view(cfg)
     runtime = start(view, needs_data=False, say=say)
+    finished = False  # every rank saved: they leave together (distributed.setup.leave_together)
     try:
         dp_rank, dp_size = data_parallel_rank_and_size()
         if s.batch_size % dp_size:
@@ -132,6 +133,7 @@ def run_sft(cfg: Config, say=print, keep_process_group: bool = False) -> Path:
                         config=view, hf_dir=cfg.model.hf_dir, keep_last=1)  # fmt: skip
         if rank0:
             say(f"[sft] done: checkpoint of step {step} under {root} (start DAPO from it with model.megatron_checkpoint={root})")
+        finished = True
         return root
     finally:
-        teardown(keep_process_group=keep_process_group)
+        teardown(keep_process_group=keep_process_group, together=finished)
