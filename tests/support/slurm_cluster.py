@@ -49,6 +49,10 @@ class SlurmUnavailable(RuntimeError):
     """SLURM cannot be installed or started here (not root, no package registry, ...)."""
 
 
+UNSETTLED_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+"""Job states that change on their own (scontrol's JobState)."""
+
+
 def find_binary(name: str) -> Optional[str]:
     """Absolute path of a SLURM/munge program, looking in sbin directories too."""
     return shutil.which(name, path=_SEARCH_PATH)
@@ -221,7 +225,7 @@ class SlurmSubmission:
             job_id=job_id,
             name=self.name,
             sbatch_returncode=self.proc.returncode,
-            record=self.cluster.job_record(job_id),
+            record=self.cluster.settled_job_record(job_id),
             output_file=self.jobs_dir / f"{self.name}-{job_id}.out",
             seconds=seconds,
             cluster=self.cluster,
@@ -441,6 +445,16 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
             text=True, start_new_session=True,
         )  # fmt: skip
         return SlurmSubmission(self, name, proc, jobs_dir, time.monotonic())
+
+    def settled_job_record(self, job_id: int, timeout_s: float = 15.0) -> dict[str, str]:
+        """The job's record once its state is final: `sbatch --wait` can return while the controller
+        still shows the job COMPLETING (its end being cleaned up on the node), exit code already set."""
+        deadline = time.monotonic() + timeout_s
+        record = self.job_record(job_id)
+        while record.get("JobState") in UNSETTLED_STATES and time.monotonic() < deadline:
+            time.sleep(0.2)
+            record = self.job_record(job_id)
+        return record
 
     def job_record(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` fields (empty dict if the controller forgot the job)."""

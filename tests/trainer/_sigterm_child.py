@@ -76,13 +76,17 @@ def main(where: str) -> dict:
         time.sleep(0.01)
     result["trainer_handler"] = received == [signal.SIGTERM]
     result["mask_after"] = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
-    # The trainer stops them itself: SIGINT, which their handlers still hear (the grandchild's
-    # first: an exiting multiprocessing parent waits for its children).
+    # The trainer stops them itself: SIGINT, which their handlers still hear; the grandchild's first,
+    # awaited (an exiting multiprocessing parent waits for its children), then the child's.
     for pid in reversed(pids):
         if _alive(pid):
             os.kill(pid, signal.SIGINT)
-    process.join(30)
+        deadline = time.monotonic() + 60
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    process.join(10)
     result["stopped_by_sigint"] = process.exitcode is not None
+    result["alive_after_sigint"] = [_alive(pid) for pid in pids]
     for pid in pids:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)

@@ -36,7 +36,7 @@ def test_engine_processes_started_in_the_context_outlive_sigterm():
     assert result["started"]  # the context names the process it started
     assert result["alive"] == [True, True]  # the engine-like process and the one it started
     assert result["trainer_handler"] and result["mask_after"] == []  # the trainer still hears SIGTERM
-    assert result["stopped_by_sigint"]
+    assert result["stopped_by_sigint"], result
 
 
 def test_the_same_processes_started_outside_the_context_exit_on_sigterm():
