@@ -161,9 +161,10 @@ def exit_without_teardown(code: int) -> NoReturn:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit does first: the threading module's own exit hooks (they stop idle
+    # executor workers, such as those of torch's compile pool: joined without them, an exit waits
+    # forever), then a join of the non-daemon threads.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -65,6 +65,9 @@ class SaysWhenCollected:
 kept = SaysWhenCollected()  # collected only by the interpreter's module teardown
 atexit.register(lambda: print("exit handler", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # kept: its idle worker ends only through threading's exit hooks
+pool.submit(lambda: None).result()
 print("unflushed output", end="")
 exit_without_teardown(3)
 """
