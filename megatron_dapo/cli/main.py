@@ -152,7 +152,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     """Leave as the interpreter's exit would, less its final teardown: wait for non-daemon threads,
     run the exit handlers (multiprocessing's children, engines' and loggers' clean-up, torch's hooks),
     flush the standard streams, and end the process. Clearing the modules of torch, Megatron-Core and
-    transformers and collecting their objects then costs ~2.5 s of CPU per process (measured in
+    transformers and collecting their objects then costs ~2 s of CPU per process (measured in
     docs/PERF.md) for nothing anyone sees; every file this package writes is closed or flushed before
     the command returns. Only after a command returned: an exception unwinds as usual, and a command
     that imported no torch (--help, config) exits the normal way."""
@@ -163,7 +163,8 @@ def exit_without_teardown(code: int) -> NoReturn:
 
     # What the interpreter's exit does first: the threading module's own exit hooks (they stop idle
     # executor workers, such as those of torch's compile pool: joined without them, an exit waits
-    # forever), then a join of the non-daemon threads.
+    # forever), then a join of the non-daemon threads. Private, but the very call the interpreter's
+    # own exit makes (Python 3.11 to 3.13).
     threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
