@@ -38,6 +38,7 @@ import datetime
 import math
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -270,8 +271,6 @@ def leave_together(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
     if rank != 0:
         store.add(_LEFT_KEY, 1)
         return True
-    import time
-
     deadline = time.monotonic() + timeout_s
     while (left := int(store.add(_LEFT_KEY, 0))) < world - 1:
         if time.monotonic() > deadline:

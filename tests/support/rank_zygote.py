@@ -14,11 +14,11 @@ The default (`TORCHRUN_TEST_LAUNCHER=torchrun` turns it off): `torchrun_utils.ru
 the scripts launched with `preloaded=True` and the trainer tests' CLI runs (`run_module_forked`)
 fork their ranks from it; the SLURM-style launches and every other command use the real launchers.
 In its first full-suite run (docs/TEST_DURATIONS.md) one worker's zygote died part-way, for a
-reason not found, and every later launch of that worker failed. Now a dead zygote costs no launch: the ranks it forked before run on (their supervisor does not need it), a launch it can no
+reason not found, and every later launch of that worker failed. Now a dead zygote costs no
+launch: the ranks it forked before run on (their supervisor does not need it), a launch it can no
 longer take starts with torchrun (`ZygoteGone`), the next launch gets a new zygote, and the end of
-the dead one's output (a file) is quoted. The zygote refuses
-to serve (launches then fall back to torchrun) if its imports started a thread, since forking a
-multi-threaded process is unsafe.
+the dead one's output (a file) is quoted. The zygote refuses to serve (launches then fall back to
+torchrun) if its imports started a thread, since forking a multi-threaded process is unsafe.
 
 Protocol, one JSON line each way over the zygote's stdin/stdout:
     request  {"entry": path or "module": name, "args": [...], "cwd": dir, "envs": [env of rank 0, ...],
@@ -100,22 +100,10 @@ def _run_rank(request: dict, env: dict, rank: int) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    _exit(code)
+    # As the `megatron-dapo` command ends: exit handlers run, no teardown of the preloaded modules.
+    from megatron_dapo.cli.main import exit_without_teardown
 
-
-def _exit(code: int) -> None:
-    """End the rank as the interpreter's exit would, less its final teardown: wait for non-daemon
-    threads, run the exit handlers (torch.distributed, multiprocessing and engine clean-up hooks),
-    flush, and leave. Tearing down the preloaded libraries' modules and collecting their millions
-    of objects costs 2-3 s of CPU per rank and does nothing a test can see."""
-    import atexit
-    import threading
-
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 def _supervise(ranks: Sequence[int], log_dir: Path) -> None:
