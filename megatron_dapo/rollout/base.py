@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -98,6 +98,10 @@ class GenerationOutput:
     (`SamplingParams.return_routed_experts`): the experts of every token the model read, prompt
     first; the last response token is never read. Expert order within a token is the engine's."""
 
+    weight_versions: Optional[list["VersionSpans"]] = None
+    """Where the weights changed during the call (`generate(..., pushes=)`): per response, the
+    weight version of each run of its tokens (`VersionSpans`). None where no push could land."""
+
     @property
     def response_lengths(self) -> torch.Tensor:
         return torch.tensor([len(ids) for ids in self.response_ids], dtype=torch.long)
@@ -106,12 +110,70 @@ class GenerationOutput:
         return len(self.response_ids)
 
 
+VersionSpans = tuple[tuple[int, int], ...]
+"""One response's weight versions: ((first token, version), ...), the first token of each run of
+tokens sampled with one version, ascending, the first run starting at token 0."""
+
+
+def version_spans(start_version: int, pushes: Sequence[tuple[int, int]], length: int) -> VersionSpans:
+    """A response's `VersionSpans` from the version it started with and the pushes that landed while
+    the engine generated it: (tokens the response had when the push landed, the version it brought),
+    in the order they landed. A push that landed once the response was done (at `length` tokens or
+    more) changed none of its tokens; of pushes that landed at the same count the last one counts. Pure."""
+    spans = [(0, int(start_version))]
+    for count, version in pushes:
+        if count < 0:
+            raise ValueError(f"a push landed at {count} tokens")
+        if count >= length:
+            continue
+        if count < spans[-1][0]:
+            raise ValueError(f"pushes out of order: one at {count} tokens after one at {spans[-1][0]}")
+        if count == spans[-1][0]:
+            spans[-1] = (count, int(version))
+        else:
+            spans.append((count, int(version)))
+    return tuple(spans)
+
+
+def oldest_version(spans: VersionSpans) -> int:
+    """The oldest weight version any token of a response was sampled with."""
+    return min(version for _, version in spans)
+
+
+class WeightPushes(abc.ABC):
+    """Weight pushes that may arrive while an engine generates (partial rollouts,
+    `rollout.partial_rollouts`): an engine that `takes_pushes_while_generating` asks `pending()`
+    between decode steps; when it answers True the engine stops decoding (no forward pass runs, the
+    tokens of every sequence so far are fixed), lets `receive` load the push, and carries on, the
+    sequences in flight continuing with the new weights. Each response's tokens are attributed to
+    the version they were sampled with (`GenerationOutput.weight_versions`)."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The weight version the engine holds now."""
+
+    @abc.abstractmethod
+    def pending(self) -> bool:
+        """Whether a push waits to be received; cheap (asked every few decode steps), never blocks."""
+
+    @abc.abstractmethod
+    def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None], commit: Callable[[], None]) -> int:
+        """Receive the waiting push: `load` every bucket of (HF name, full tensor) in turn, then
+        `commit()` once (the engine's post-load step; it also drops every cached prefix computed
+        with older weights), then tell the sender the engine is ready. Returns the new version."""
+
+
 class RolloutEngine(abc.ABC):
     """A generator that the actor's weights are pushed into after every update."""
 
+    takes_pushes_while_generating: bool = False
+    """Whether `generate` accepts `pushes=` (a `WeightPushes`) and loads them between decode steps."""
+
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """Sample `params.n` responses for each prompt (token ids, no padding)."""
+        """Sample `params.n` responses for each prompt (token ids, no padding). An engine that
+        `takes_pushes_while_generating` also takes `pushes: Optional[WeightPushes] = None`."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

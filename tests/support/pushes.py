@@ -1,0 +1,56 @@
+"""A scripted `WeightPushes` for engine tests of partial rollouts (pushes landing between decode steps).
+
+    pushes = ScriptedPushes([(3, new_weights)])      # due once `pending()` was asked 3 times
+    out = engine.generate(prompts, params, pushes=pushes)
+    pushes.landed        # [(polls when it landed, version it brought)]
+    out.weight_versions  # per response: ((0, 0), (k, 1)): tokens from k on sampled with version 1
+
+Each push is due once `pending()` has been asked `after_polls` times in all (counted over the
+whole object); `receive` hands the weights to `load` in two buckets (a push of several buckets, as
+the bridge sends them), calls `commit()` once and counts the version up by one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_dapo.rollout.base import WeightPushes
+
+
+class ScriptedPushes(WeightPushes):
+    def __init__(self, pushes: Sequence[tuple[int, Sequence[tuple[str, torch.Tensor]]]], start_version: int = 0) -> None:
+        self._due = [(int(after), list(weights)) for after, weights in pushes]
+        self._version = int(start_version)
+        self.polls = 0
+        self.landed: list[tuple[int, int]] = []
+        """(polls asked when the push was received, the version it brought), in order."""
+        self.loaded_buckets = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def pending(self) -> bool:
+        self.polls += 1
+        return bool(self._due) and self.polls >= self._due[0][0]
+
+    def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], None], commit: Callable[[], None]) -> int:
+        if not self._due:
+            raise AssertionError("receive() without a pending push")
+        _, weights = self._due.pop(0)
+        half = max(1, len(weights) // 2)
+        for bucket in (weights[:half], weights[half:]):
+            if bucket:
+                load(list(bucket))
+                self.loaded_buckets += 1
+        commit()
+        self._version += 1
+        self.landed.append((self.polls, self._version))
+        return self._version
+
+    @property
+    def exhausted(self) -> bool:
+        """Every scripted push landed."""
+        return not self._due
