@@ -9,6 +9,9 @@ control every detail the trainer relies on:
 - each prompt is prefilled once, then its KV cache is repeated for its `n` samples;
 - finished rows leave the running batch (their KV-cache rows are dropped, in batches of a quarter of
   the rows) so that a few long responses do not pay for the many short ones;
+- weight pushes may land between two decode steps (`generate(..., pushes=)`, partial rollouts): the
+  running rows continue with the new weights, their KV cache recomputed with them (one prefill of
+  prompt + response so far), so no token is ever computed from a mix of versions;
 - the log-prob of each sampled token is taken under the temperature-scaled FULL distribution,
   `log_softmax(logits / T)`, before top-k / top-p filtering. That is what the actor recomputes
   (`log_softmax(logits / T)` over the whole vocabulary), so rollout and actor log-probs are
@@ -37,7 +40,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from megatron_dapo.model.hf_routing import RoutingRecorder
 from megatron_dapo.model.hf_experts import expert_slot, is_fused_experts, slots_per_fused, unfused_experts
-from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
+from megatron_dapo.rollout.base import (
+    GenerationOutput, RolloutEngine, SamplingParams, VersionSpans, WeightPushes, check_memory_tags, version_spans,
+)  # fmt: skip
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -242,9 +247,20 @@ class EmbeddedEngine(RolloutEngine):
 
     # ---------------------------------------------------------------------------------- generation
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """Sample `params.n` responses per prompt; outputs prompt-major (see `GenerationOutput`)."""
+    takes_pushes_while_generating = True
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, pushes: Optional[WeightPushes] = None
+    ) -> GenerationOutput:
+        """Sample `params.n` responses per prompt; outputs prompt-major (see `GenerationOutput`).
+
+        `pushes`: weight pushes that may land while this call decodes (`WeightPushes`): asked before
+        each sub-batch and between any two decode steps; a push received there is loaded in place,
+        the running rows' KV cache is recomputed with the new weights, and the outputs carry each
+        response's `weight_versions`."""
         self._check_usable()
+        if pushes is not None and params.return_routed_experts:
+            raise ValueError("routed experts are not recorded across weight pushes: pass pushes or return_routed_experts, not both")
         if any(len(prompt) == 0 for prompt in prompt_ids):
             raise ValueError("every prompt needs at least one token")
         if params.stop and self.tokenizer is None:
@@ -266,6 +282,7 @@ class EmbeddedEngine(RolloutEngine):
         log_probs: list[Optional[torch.Tensor]] = [None] * num_responses
         routing: list[Optional[torch.Tensor]] = [None] * num_responses
         reasons: list[str] = [""] * num_responses
+        versions: list[Optional[VersionSpans]] = [None] * num_responses
         lengths = [len(prompt) for prompt in prompt_ids]
         for groups in plan_sub_batches(lengths, params.n, params.max_new_tokens, self.max_batch_tokens):
             slots = [
@@ -273,11 +290,17 @@ class EmbeddedEngine(RolloutEngine):
             ]
             batch_prompts = [prompt_ids[group.prompt_index] for group in groups]
             counts = [group.count for group in groups]
+            landed: list[tuple[int, int]] = []  # (tokens every running row had, version): pushes in this sub-batch
+            if pushes is not None and pushes.pending():  # between two sub-batches: nothing to recompute
+                self._receive_push(pushes)
+            start_version = pushes.version if pushes is not None else 0
             with torch.no_grad():
                 batch_tokens, batch_log_probs, batch_reasons, batch_routing = self._generate_sub_batch(
-                    batch_prompts, counts, params, generator
+                    batch_prompts, counts, params, generator, pushes, landed
                 )
             for row, slot in enumerate(slots):
+                if pushes is not None:
+                    versions[slot] = version_spans(start_version, landed, len(batch_tokens[row]))
                 responses[slot] = batch_tokens[row]
                 log_probs[slot] = batch_log_probs[row] if params.logprobs else None
                 reasons[slot] = batch_reasons[row]
@@ -290,7 +313,12 @@ class EmbeddedEngine(RolloutEngine):
             log_probs=log_probs if params.logprobs else None,  # type: ignore[arg-type]
             finish_reasons=reasons,
             routed_experts=routing if params.return_routed_experts else None,  # type: ignore[arg-type]
+            weight_versions=versions if pushes is not None else None,  # type: ignore[arg-type]
         )
+
+    def _receive_push(self, pushes: WeightPushes) -> int:
+        """Load the waiting push in place (no forward pass runs now); the new version."""
+        return pushes.receive(self.load_weights, lambda: None)
 
     def _generate_sub_batch(
         self,
@@ -298,8 +326,12 @@ class EmbeddedEngine(RolloutEngine):
         counts: Sequence[int],
         params: SamplingParams,
         generator: torch.Generator,
+        pushes: Optional[WeightPushes] = None,
+        landed: Optional[list[tuple[int, int]]] = None,
     ) -> tuple[list[list[int]], list[torch.Tensor], list[str], Optional[list[torch.Tensor]]]:
-        """Decode `counts[i]` samples of `prompts[i]`; rows in order (prompt 0's samples first)."""
+        """Decode `counts[i]` samples of `prompts[i]`; rows in order (prompt 0's samples first).
+        A push received between two decode steps is appended to `landed` as (tokens of every
+        running row, the version it brought)."""
         device = self.device
         input_ids, attention_mask, position_ids = left_pad(prompts, device)
         cache = _new_cache(self.model)
@@ -367,6 +399,24 @@ class EmbeddedEngine(RolloutEngine):
                 live, alive, next_tokens = live[keep], alive[keep], tokens[keep]
                 attention_mask, next_position = attention_mask[keep], next_position[keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=-1)
+            if pushes is not None and pushes.pending():
+                # Every running row has step + 1 tokens; the next one is sampled with the new weights,
+                # from a KV cache recomputed with them (prompt + response so far, one prefill).
+                landed.append((step + 1, self._receive_push(pushes)))
+                cache = _new_cache(self.model)
+                sequences = torch.cat([input_ids[expand[live]], out_tokens[live, : step + 1]], dim=-1)
+                out = self.model(
+                    input_ids=sequences,
+                    attention_mask=attention_mask,
+                    position_ids=(attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                logits = out.logits[:, -1, :].float()
+                next_position = next_position + 1
+                del out
+                continue
             with recorder:
                 out = self.model(
                     input_ids=next_tokens.unsqueeze(-1),

@@ -397,3 +397,59 @@ def test_asleep_until_the_weights_wake(tiny_model_dirs, device):
     assert all(p.device.type == torch.device(device).type for p in engine.model.parameters())
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
     assert engine.generate(PROMPTS, params).response_ids == before
+
+
+# ---------------------------------------------------------------------------------- pushes between decode steps
+
+
+def test_a_push_between_decode_steps_continues_the_rows_with_the_new_weights(tiny_model_dirs, reference):
+    """A push lands after a few decode steps (partial rollouts): rows still running carry on with the
+    new weights, from a KV cache recomputed with them. Every token's engine log-prob equals a full
+    forward of prompt + response so far with the weights it was sampled with, the spans say which."""
+    from tests.support.pushes import ScriptedPushes
+
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"])
+    new_model = build_tiny_model("qwen2", seed=11)  # other weights, same shapes
+    pushes = ScriptedPushes([(4, list(new_model.state_dict().items()))], start_version=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
+    out = engine.generate(PROMPTS, params, pushes=pushes)
+
+    assert pushes.exhausted and pushes.loaded_buckets == 2
+    # Asked once before the sub-batch, then before each decode step: the 4th ask is after token 3.
+    landed_at = 3
+    assert len(out.weight_versions) == len(out)
+    for response, log_probs, spans, index in zip(out.response_ids, out.log_probs, out.weight_versions, out.prompt_index):
+        prompt = PROMPTS[index]
+        if len(response) <= landed_at:
+            assert spans == ((0, 3),)
+        else:
+            assert spans == ((0, 3), (landed_at, 4))
+        torch.testing.assert_close(log_probs[:landed_at], reference_log_probs(reference, prompt, response, 1.0)[:landed_at], atol=1e-4, rtol=0)
+        if len(response) > landed_at:
+            after = reference_log_probs(new_model.eval(), prompt, response, 1.0)[landed_at:]
+            torch.testing.assert_close(log_probs[landed_at:], after, atol=1e-4, rtol=0)
+    # The engine holds the new weights afterwards; a call without pushes reports no versions.
+    plain = engine.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=4))
+    assert plain.weight_versions is None
+    assert plain.response_ids[0] == naive_greedy(new_model, PROMPTS[0], 4)[0]
+
+
+def test_a_push_between_sub_batches_and_the_versions_of_each(tiny_model_dirs, reference):
+    """Rows of a later sub-batch start with the weights pushed before it, from token 0."""
+    from tests.support.pushes import ScriptedPushes
+
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"], max_batch_tokens=10)  # one prompt a sub-batch
+    new_model = build_tiny_model("qwen2", seed=12)
+    # Asks: before sub-batch 1, before its 2 decode steps, then before sub-batch 2 (the 4th).
+    pushes = ScriptedPushes([(4, list(new_model.state_dict().items()))])
+    out = engine.generate(PROMPTS[:2], SamplingParams(n=1, temperature=0.0, max_new_tokens=3), pushes=pushes)
+    assert out.weight_versions == [((0, 0),), ((0, 1),)]
+    assert out.response_ids[0] == naive_greedy(reference, PROMPTS[0], 3)[0]
+    assert out.response_ids[1] == naive_greedy(new_model, PROMPTS[1], 3)[0]
+
+
+def test_pushes_and_routed_experts_are_refused_together(engine):
+    from tests.support.pushes import ScriptedPushes
+
+    with pytest.raises(ValueError, match="routed experts"):
+        engine.generate(PROMPTS[:1], SamplingParams(return_routed_experts=True), pushes=ScriptedPushes([]))
