@@ -202,6 +202,13 @@ class RolloutConfig:
     """rollout.placement=separate: how many ranks of the launch hold the engines (GPUs on a cluster,
     processes on a CPU), rollout.tp per engine; the launch is the trainer's ranks plus these. 0 with
     the colocated placements."""
+    partial_rollouts: bool = False
+    """Asynchronous training (trainer.max_staleness > 0): weight pushes land between the engines'
+    decode steps, the sequences in flight continuing with the new weights (their KV recomputed
+    with them), each token's version recorded; staleness counts a sample's oldest token. false:
+    every engine finishes the requests handed to it before it takes a push, so each sample has one
+    version and a run is reproducible; true: fresher samples and no push waits for a generation,
+    but where a push lands depends on timing (docs/ASYNC.md)."""
     sleep_level: int = 1
     """How deeply a GPU engine sleeps during training (rollout.free_cache_engine): 1 frees the KV
     cache and keeps the weights in host memory, 2 frees the weights too (less host memory; the
@@ -237,6 +244,8 @@ class RolloutConfig:
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
 """Values `algorithm.filter_groups.metric` may name (see `trainer.samples.filter_metric`)."""
+PARTIAL_ROLLOUT_ENGINES = ("embedded", "vllm", "sglang")
+"""Engines that take weight pushes between decode steps (`RolloutEngine.takes_pushes_while_generating`)."""
 
 
 @dataclass
@@ -805,6 +814,18 @@ def validate(cfg: Config) -> None:
             f"'trainer.max_staleness'={t.max_staleness} does not keep the engine's routed experts of the groups it carries "
             "over or saves with a checkpoint yet: use actor.router_replay=off or r2 and rollout.return_routed_experts=false "
             "with asynchronous training, or trainer.max_staleness=0 (docs/ASYNC.md)",
+        )
+    if r.partial_rollouts:
+        _require(
+            t.max_staleness > 0,
+            "'rollout.partial_rollouts'=true pushes weights into engines while they generate, which only happens "
+            "with asynchronous training: set trainer.max_staleness >= 1 (with rollout.placement=separate), or "
+            "rollout.partial_rollouts=false",
+        )
+        _require(
+            r.engine in PARTIAL_ROLLOUT_ENGINES,
+            f"'rollout.partial_rollouts'=true needs an engine that takes weights between decode steps "
+            f"({', '.join(PARTIAL_ROLLOUT_ENGINES)}); rollout.engine={r.engine} does not",
         )
     _require(
         t.gen_batch_size >= t.train_batch_size,

@@ -15,10 +15,13 @@ the head, bridge rank i the i-th owner. It has three process groups of its own, 
 the store (outside torch.distributed's default world, so the two worlds never wait for each other
 in a collective):
 
-* messages (gloo): pickled point-to-point messages (`send` / `recv`) on two channels: the work
-  (requests to the engines, their results back) and the replies to weight pushes, which overtake
-  results still on their way; a rank may wait here for long (a generation batch), so its timeout
-  is `rollout.gather_timeout_s`;
+* messages (gloo): pickled point-to-point messages (`send` / `recv`) on the channels of
+  `CHANNELS`: the work (requests to the engines, their results back) and the replies to weight
+  pushes, which overtake results still on their way; a rank may wait here for long (a generation
+  batch), so its timeout is `rollout.gather_timeout_s`;
+* listened (gloo): partial rollouts' messages from the head to each owner, received there by a
+  thread of their own (`listen`): a group apart, so that thread never shares one with the owner's
+  other traffic;
 * meta (gloo): the names, shapes and dtypes of each weight bucket, broadcast from the head;
 * weights: the buckets' bytes, broadcast from the head, one flat buffer per dtype: NCCL on GPUs
   (the buckets never leave the devices), gloo on the CPU (`weights_backend`).
@@ -31,17 +34,21 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CHANNELS", "Bridge", "BucketMeta", "PendingSend", "bridge_members", "split_worlds", "weights_backend"]
+__all__ = ["CHANNELS", "Bridge", "BucketMeta", "Listener", "PendingSend", "bridge_members", "split_worlds", "weights_backend"]
 
-CHANNELS = {"work": 7, "replies": 8}
-"""Message channels (gloo tags): the requests and their results, and the replies to weight pushes,
-which pass results still on their way (each channel keeps its own order)."""
+CHANNELS = {"work": 7, "replies": 8, "listened": 9}
+"""Message channels (gloo tags): the requests and their results; the replies to weight pushes,
+which pass results still on their way; and "listened", partial rollouts' channel from the head to an
+owner (requests and pushes in one order), which a thread of the owner receives as messages arrive
+(`Listener`), so that the engine sees a push between two decode steps. Each keeps its own order."""
 _PREFIX = "mdapo_bridge/"
 
 
@@ -108,12 +115,73 @@ class PendingSend:
         self._buffers = ()
 
 
+def _receive(group: Any, source: int, tag: int) -> Any:
+    size = torch.empty(1, dtype=torch.int64)
+    group.recv([size], source, tag).wait()
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.recv([payload], source, tag).wait()
+    return pickle.loads(payload.numpy().tobytes())
+
+
+class Listener:
+    """The messages of one channel from one rank, received by a daemon thread as they arrive and
+    kept in order until taken (`Bridge.listen`): an owner that generates can look for a weight push
+    between two decode steps without waiting (gloo's receives complete only by waiting on them)."""
+
+    def __init__(self, group: Any, source: int, tag: int, last: Callable[[Any], bool]) -> None:
+        self._arrived: deque = deque()
+        self._changed = threading.Condition()
+        self._failure: Optional[BaseException] = None
+        self._done = False
+        self._thread = threading.Thread(target=self._run, args=(group, source, tag, last), name="mdapo-bridge-listener", daemon=True)
+        self._thread.start()
+
+    def _run(self, group: Any, source: int, tag: int, last: Callable[[Any], bool]) -> None:
+        try:
+            while True:
+                message = _receive(group, source, tag)
+                with self._changed:
+                    self._arrived.append(message)
+                    self._changed.notify_all()
+                if last(message):
+                    break
+        except BaseException as error:  # noqa: BLE001 - the owner's thread raises it at its next look
+            with self._changed:
+                self._failure = error
+        finally:
+            with self._changed:
+                self._done = True
+                self._changed.notify_all()
+
+    def take(self, kind: Optional[type] = None, block: bool = True) -> Any:
+        """The first message received and not taken yet (of type `kind`, if given, ahead of the others).
+        `block`: wait for one; else None when there is none. Raises what ended the receiving thread."""
+        with self._changed:
+            while True:
+                for index, message in enumerate(self._arrived):
+                    if kind is None or isinstance(message, kind):
+                        del self._arrived[index]
+                        return message
+                if self._failure is not None:
+                    raise RuntimeError("the bridge's listener stopped receiving") from self._failure
+                if not block:
+                    return None
+                if self._done:
+                    raise RuntimeError("the bridge's listener received its last message: nothing more comes")
+                self._changed.wait()
+
+    def join(self) -> None:
+        """Wait for the receiving thread to end (after the last message)."""
+        self._thread.join()
+
+
 class Bridge:
     """This rank's end of the bridge (see the module doc); `connect` makes it on the members."""
 
     def __init__(self, messages: Any, meta: Any, weights: Any, rank: int, size: int, device: torch.device) -> None:
         self._messages, self._meta, self._weights = messages, meta, weights
         self.rank, self.size, self.device = rank, size, device
+        self._listened: Any = None  # its own group: set by `connect`
 
     @classmethod
     def connect(
@@ -134,7 +202,9 @@ class Bridge:
             weights = dist.ProcessGroupNCCL(dist.PrefixStore("weights/", store), rank, size, options)
         else:
             weights = dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), rank, size, timeout)
-        return cls(messages, meta, weights, rank, size, device)
+        bridge = cls(messages, meta, weights, rank, size, device)
+        bridge._listened = dist.ProcessGroupGloo(dist.PrefixStore("listened/", store), rank, size, timeout)
+        return bridge
 
     @property
     def is_head(self) -> bool:
@@ -149,7 +219,8 @@ class Bridge:
         tag = CHANNELS[channel]
         payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        works = [self._messages.send([size], to, tag), self._messages.send([payload], to, tag)]
+        group = self._group(channel)
+        works = [group.send([size], to, tag), group.send([payload], to, tag)]
         pending = PendingSend(works, (size, payload))
         if wait:
             pending.wait()
@@ -158,12 +229,17 @@ class Bridge:
 
     def recv(self, source: int, channel: str = "work") -> Any:
         """The next message from bridge rank `source` on `channel` (waits up to the bridge's timeout)."""
-        tag = CHANNELS[channel]
-        size = torch.empty(1, dtype=torch.int64)
-        self._messages.recv([size], source, tag).wait()
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._messages.recv([payload], source, tag).wait()
-        return pickle.loads(payload.numpy().tobytes())
+        if channel == "listened":
+            raise ValueError("the listened channel is received by a Listener (`listen`)")
+        return _receive(self._messages, source, CHANNELS[channel])
+
+    def listen(self, source: int, last: Callable[[Any], bool]) -> "Listener":
+        """Receive the listened channel from `source` on a thread of its own until a message for
+        which `last(message)` is true (`Listener`)."""
+        return Listener(self._listened, source, CHANNELS["listened"], last)
+
+    def _group(self, channel: str) -> Any:
+        return self._listened if channel == "listened" else self._messages
 
     # ------------------------------------------------------------------ weights
 

@@ -61,7 +61,7 @@ from megatron_dapo.distributed.placement import (
     choose_sync_mode,
     replica_groups,
 )
-from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, WeightPushes
 from megatron_dapo.rollout.engines.embedded import EmbeddedEngine
 from megatron_dapo.rollout.sync.dispatch import FullTensors, SyncStats, WeightTransport, sync_weights
 from megatron_dapo.rollout.sync.shared_memory import SharedMemoryShards
@@ -252,7 +252,11 @@ class RolloutGroup:
         return self.spmd.data_size if self.spmd is not None else data_parallel_rank_and_size()[1]
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, call_off: Optional[Callable[[], bool]] = None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        call_off: Optional[Callable[[], bool]] = None,
+        pushes: Optional[WeightPushes] = None,
     ) -> Optional[GenerationOutput]:
         """Generate where this rank takes part; the result only where `is_leader`, None elsewhere.
 
@@ -260,12 +264,18 @@ class RolloutGroup:
         `call_off` (spmd only): this rank's vote to abandon the batch, asked every few engine steps
         on every rank of the group; once any votes yes, all of them raise `GenerationCalledOff`
         (`VLLMEngine.generate`). In the leader placement a generate can be left without one.
+        `pushes`: weight pushes the engine takes between decode steps (partial rollouts; an engine
+        that `takes_pushes_while_generating`).
         """
         if call_off is not None and self.spmd is None:
             raise ValueError("call_off is for the spmd placement")
         if self.engine is None:
             return None
         stop = {} if call_off is None else {"call_off": call_off}
+        if pushes is not None:
+            if not self.engine.takes_pushes_while_generating:
+                raise ValueError(f"{type(self.engine).__name__} cannot take weight pushes while it generates")
+            stop["pushes"] = pushes
         if self.spmd is not None and not self.is_leader:
             # Only the group's first rank hands its results on: the others skip reading vLLM's outputs.
             return self.engine.generate(prompt_ids, params, collect=False, **stop)

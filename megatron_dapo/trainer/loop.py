@@ -187,6 +187,7 @@ class DAPOTrainer:
         return {
             **metrics.batch_metrics(train, advantages, generated, sampling_stats),
             **(metrics.staleness_metrics([staleness(self.step, v) for v in train.weight_version], self.max_staleness) if train.weight_version else {}),
+            **(metrics.token_staleness_metrics(self.step, train.version_spans, [len(r) for r in train.response_ids]) if train.version_spans else {}),
             **ahead,
             **timeline,
             **metrics.actor_metrics(update),

@@ -23,6 +23,9 @@ Names follow verl's where verl has one, so that dashboards and the paper's curve
                                        versions older than the update's the train batch's samples are
                                        (fraction of its samples at each staleness 0..trainer.max_staleness);
                                        train/num_groups_{carried,stale_dropped} with trainer.max_staleness > 0
+    async/{token_staleness_mean,partial_frac}   rollout.partial_rollouts: staleness per response token (the
+                                       version each token was sampled with), the share of responses a push
+                                       landed in (tokens of two or more versions)
     async/{batches_in_flight,batches_submitted_ahead}   generation handed to the engines ahead of the update
     async/{engine_busy_s,engine_wait_s,trainer_wait_s,overlap_frac}   the separate placement's timeline:
                                        seconds the engines generated and waited for work in the step, the
@@ -155,6 +158,23 @@ def staleness_metrics(stalenesses: Sequence[int], max_staleness: int) -> dict[st
     for s in range(max_staleness + 1):
         out[f"async/staleness_frac_{s}"] = float((staleness == s).double().mean())
     return out
+
+
+def token_staleness_metrics(step: int, spans: Sequence[Sequence[tuple[int, int]]], lengths: Sequence[int]) -> dict[str, float]:
+    """Partial rollouts: staleness per response token (each run of `spans`, `rollout.base.VersionSpans`,
+    at step `step`'s staleness of its version; `lengths` the responses' token counts), and the share
+    of responses whose tokens come from more than one version."""
+    weighted, tokens = 0, 0
+    for runs, length in zip(spans, lengths):
+        ends = [first for first, _ in runs[1:]] + [length]
+        for (first, version), end in zip(runs, ends):
+            weighted += (step - 1 - version) * (end - first)
+            tokens += end - first
+    crossed = sum(len(runs) > 1 for runs in spans)
+    return {
+        "async/token_staleness_mean": weighted / tokens if tokens else 0.0,
+        "async/partial_frac": crossed / len(spans) if len(spans) else 0.0,
+    }
 
 
 def timeline_metrics(

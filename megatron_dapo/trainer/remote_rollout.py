@@ -90,6 +90,9 @@ class RemoteRollout:
     next_version: int = 0
     """The weight version the next push delivers (the number of updates the actor has had)."""
     sync_mode: str = "gather"
+    partial_rollouts: bool = False
+    """Pushes land between the engines' decode steps (`rollout.partial_rollouts`): a batch's samples
+    may hold tokens of versions newer than the one it was handed out with."""
     _transport: Optional[BridgeBroadcast] = field(default=None, repr=False)
     _inflight: deque = field(default_factory=deque, repr=False)
     _sending: list = field(default_factory=list, repr=False)
@@ -103,7 +106,8 @@ class RemoteRollout:
             raise ValueError(f"RemoteRollout is the separate placement's; this layout's is {layout.placement}")
         if (bridge is not None) != (_trainer_rank() == 0):
             raise RuntimeError("the bridge belongs to the trainer's head (launch rank 0) alone")
-        return cls(layout, bridge, next_version=weight_version)
+        partial = bool(cfg is not None and cfg.rollout.partial_rollouts)
+        return cls(layout, bridge, next_version=weight_version, partial_rollouts=partial)
 
     @property
     def pushed_version(self) -> int:
@@ -138,8 +142,9 @@ class RemoteRollout:
             raise ValueError(f"{len(requests)} shares for {self.data_size} engines")
         if self.bridge is not None:
             self._sending = [pending for pending in self._sending if not pending.done()]
+            channel = "listened" if self.partial_rollouts else "work"  # one order for requests and pushes
             for engine, request in enumerate(requests):
-                self._sending.append(self.bridge.send(request, engine + 1, wait=False))
+                self._sending.append(self.bridge.send(request, engine + 1, wait=False, channel=channel))
         self._inflight.append(InFlight(len(requests), self.pushed_version))
 
     def collect(self, routing_store: Optional[Any] = None) -> Samples:
@@ -169,7 +174,9 @@ class RemoteRollout:
         if self.bridge is None or batch.results is not None:
             return
         results = [self.bridge.recv(engine + 1) for engine in range(batch.shares)]
-        wrong = [(i, r.version) for i, r in enumerate(results) if r.version != batch.version]
+        # In order, each request has the weights of the last push before it; with partial rollouts
+        # a later push may land before or while it is generated, never an older one.
+        wrong = [(i, r.version) for i, r in enumerate(results) if r.version < batch.version or (r.version > batch.version and not self.partial_rollouts)]
         if wrong:
             raise RuntimeError(f"engines {wrong} (engine, version) generated with other weights than version {batch.version}")
         batch.results = results
@@ -180,7 +187,8 @@ class RemoteRollout:
         if self.bridge is not None:
             self._receive(batch)
             local = Samples.concat([unpack_samples(*r.packed) for r in batch.results if r.packed is not None])
-            local.weight_version = [batch.version] * len(local)
+            if local.version_spans is None:  # one version for the whole batch (else its oldest token's, per sample)
+                local.weight_version = [batch.version] * len(local)
         return gather_samples(local, order_key=0, routing_store=routing_store)
 
     # ------------------------------------------------------------------ weights
@@ -192,7 +200,7 @@ class RemoteRollout:
             self.next_version += 1
             return SyncStats(bytes=0, seconds=0.0, load_seconds=0.0, num_tensors=0, num_buckets=0, peak_bucket_bytes=0)
         if self._transport is None:
-            self._transport = BridgeBroadcast(self.bridge)
+            self._transport = BridgeBroadcast(self.bridge, announce_on="listened" if self.partial_rollouts else "work")
         self._transport.version = self.next_version
         stats = sync_weights(models, hf_config, self._transport, bucket_mb=bucket_mb)
         self.next_version += 1
@@ -235,7 +243,7 @@ class RemoteRollout:
                     for engine in range(batch.shares):
                         bridge.recv(engine + 1)
             for owner in range(1, bridge.size):
-                bridge.send(StopServing(), owner)
+                bridge.send(StopServing(), owner, channel="listened" if self.partial_rollouts else "work")
             for pending in self._sending:
                 pending.wait()
 

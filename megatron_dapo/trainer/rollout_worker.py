@@ -14,6 +14,11 @@ message at a time, in order:
 
 The weights an engine generates with are therefore always the last push before the request: the
 trainer's order of messages decides it, which keeps a run reproducible.
+
+With partial rollouts (`rollout.partial_rollouts`) the head announces pushes on a channel of their
+own instead, which the engine reads between decode steps (`rollout.sync.remote.BridgePushes`) and
+the owner while it waits for work: a push lands as soon as the trainer sends it, the sequences in
+flight carry on with the new weights, and every sample records its tokens' versions.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from megatron_dapo.config import Config
 from megatron_dapo.distributed.objects import gather_objects
 from megatron_dapo.distributed.placement import EngineDevices, assign_engine_devices
 from megatron_dapo.rollout.group import RolloutGroup, make_engine, this_rank_gpu
-from megatron_dapo.rollout.sync.remote import PushWeights, receive_push
+from megatron_dapo.rollout.sync.remote import BridgePushes, PushWeights, receive_push
 from megatron_dapo.trainer.parts import build_reward_manager
 from megatron_dapo.trainer.remote_rollout import GenerateShare, ShareResult, StopServing
 from megatron_dapo.trainer.samples import generate_and_score, pack_samples
@@ -72,27 +77,31 @@ def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print)
     reward = build_reward_manager(cfg, runtime.tokenizer)
     rollout = RolloutGroup(engine, free_cache=False, engine_kind=cfg.rollout.engine, device_type=ctx.device.type)
     version = -1  # the weights the engine holds: none of the actor's before the first push
+    timeline = OwnerTimeline()
+    listener = bridge.listen(0, last=lambda message: isinstance(message, StopServing)) if cfg.rollout.partial_rollouts else None
+    pushes = BridgePushes(bridge, listener, version, timeline.take) if listener is not None else None
+    commit = getattr(engine, "commit_weights", None) or (lambda: None)
     sending: list = []  # results on their way: the next request is read while the head has not taken them yet
-    busy: list[tuple[float, float]] = []  # since the last push, for the trainer's timeline metrics
-    waited_total = 0.0
     try:
         while True:
             waiting = time.perf_counter()
-            message = bridge.recv(0)
+            message = bridge.recv(0) if pushes is None else _next_work(listener, pushes, engine.load_weights, commit)
             waited = time.perf_counter() - waiting
-            waited_total += waited
+            timeline.waited(waited)
             if isinstance(message, GenerateShare):
-                result = _generate_share(rollout, reward, message, version, waited)
-                busy.append((result.started, result.ended))
+                timeline.started()
+                result = _generate_share(rollout, reward, message, version if pushes is None else pushes.version, waited, pushes)
+                timeline.ended()
                 sending = [pending for pending in sending if not pending.done()]
                 sending.append(bridge.send(result, 0, wait=False))
             elif isinstance(message, PushWeights):
-                version = receive_push(bridge, engine, message, tuple(busy), waited_total).version
-                busy, waited_total = [], 0.0
+                version = receive_push(bridge, engine, message, *timeline.take()).version
             elif isinstance(message, StopServing):
                 break
             else:
                 raise RuntimeError(f"rollout rank {ctx.rank}: unexpected message from the trainer: {message!r}")
+        if listener is not None:
+            listener.join()
         for pending in sending:  # the head takes every result before it says stop
             pending.wait()
     finally:
@@ -101,11 +110,57 @@ def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print)
         owner_done()
 
 
-def _generate_share(rollout: RolloutGroup, reward: Any, request: GenerateShare, version: int, waited_s: float) -> ShareResult:
+class OwnerTimeline:
+    """What an engine owner did since the last push, reported with the next one (`PushDone`): the
+    wall-clock (start, end) of its work on each request (a request a push lands in is split there)
+    and the seconds it waited for work or weights."""
+
+    def __init__(self) -> None:
+        self._busy: list[tuple[float, float]] = []
+        self._since: Optional[float] = None  # the request in progress began (or was split) then
+        self._waited = 0.0
+
+    def waited(self, seconds: float) -> None:
+        self._waited += seconds
+
+    def started(self) -> None:
+        self._since = time.time()
+
+    def ended(self) -> None:
+        self._busy.append((self._since, time.time()))
+        self._since = None
+
+    def take(self) -> tuple[tuple[tuple[float, float], ...], float]:
+        """(busy intervals, seconds waited) since the last push, and start counting anew."""
+        now = time.time()
+        busy = self._busy + ([(self._since, now)] if self._since is not None else [])
+        waited = self._waited
+        self._busy, self._waited = [], 0.0
+        if self._since is not None:
+            self._since = now
+        return tuple(busy), waited
+
+
+def _next_work(listener: Any, pushes: BridgePushes, load: Callable, commit: Callable) -> Any:
+    """Partial rollouts: the head's next message other than a push, taking every push that arrives
+    meanwhile (a push goes first: a request waiting beside it is then generated with the new weights)."""
+    while True:
+        if pushes.pending():
+            pushes.receive(load, commit)
+            continue
+        message = listener.take(block=True)
+        if not isinstance(message, PushWeights):
+            return message
+        pushes.hold(message)
+
+
+def _generate_share(
+    rollout: RolloutGroup, reward: Any, request: GenerateShare, version: int, waited_s: float, pushes: Optional[BridgePushes]
+) -> ShareResult:
     started = time.time()
     samples = generate_and_score(
         rollout, reward, request.examples, request.params, uid_prefix=request.uid_prefix, validating=request.validating,
-        apply_overlong=request.apply_overlong, routing_dtype=request.routing_dtype,
+        apply_overlong=request.apply_overlong, routing_dtype=request.routing_dtype, pushes=pushes,
     )  # fmt: skip
     packed = pack_samples(samples) if samples is not None and len(samples) else None
     return ShareResult(packed=packed, version=version, started=started, ended=time.time(), waited_s=waited_s)

@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import SamplingParams, WeightPushes, oldest_version
 from megatron_dapo.actor import PolicyBatch
 from megatron_dapo.config import FILTER_GROUP_METRICS
 from megatron_dapo.distributed.objects import data_parallel_rank_and_size
@@ -63,7 +63,11 @@ class Samples:
     sample's routing stays (owner rank, index) until `routing_exchange.fetch_routing` delivers it."""
     weight_version: Optional[list[int]] = None
     """The separate placement: how many updates the engine's weights had when it generated the sample
-    (the trainer at step t starts from version t - 1; the difference is the sample's staleness)."""
+    (the trainer at step t starts from version t - 1; the difference is the sample's staleness). With
+    partial rollouts, the oldest version of any of its tokens."""
+    version_spans: Optional[list[tuple[tuple[int, int], ...]]] = None
+    """Partial rollouts (`rollout.partial_rollouts`): the version of each run of the response's
+    tokens (`rollout.base.VersionSpans`: (first token, version), ...)."""
 
     def __post_init__(self) -> None:
         for name in _PER_SAMPLE_OPTIONAL:
@@ -100,7 +104,7 @@ class Samples:
         return merged
 
 
-_PER_SAMPLE_OPTIONAL = ("routed_experts", "routing_ref", "weight_version")
+_PER_SAMPLE_OPTIONAL = ("routed_experts", "routing_ref", "weight_version", "version_spans")
 
 
 def generate_and_score(
@@ -115,6 +119,7 @@ def generate_and_score(
     routing_dtype: torch.dtype = torch.int32,
     during_generate: Callable[[], ContextManager] = contextlib.nullcontext,
     call_off: Optional[Callable[[], bool]] = None,
+    pushes: Optional[WeightPushes] = None,
 ) -> Optional[Samples]:
     """Generate `params.n` responses per example and score them where `rollout.is_leader`; None elsewhere.
 
@@ -125,13 +130,17 @@ def generate_and_score(
     `SigtermFlag.interruptible`, where a SIGTERM may abandon it; `SigtermFlag.calling_off_generation`
     in the spmd placement). `call_off` (spmd placement only) goes to `rollout.generate`: this rank's
     vote, asked every few engine steps, to abandon the batch (`GenerationCalledOff` on every rank of
-    the engine).
+    the engine). `pushes` (partial rollouts, the separate placement's engine owners): weight pushes
+    the engine takes between decode steps (`WeightPushes`); each sample then carries its tokens'
+    `version_spans` and, as `weight_version`, the oldest of them.
     """
     if not examples:
         return Samples.concat([]) if rollout.is_leader else None
     # Every rank calls generate: in the spmd placement all ranks of an engine generate together.
     with during_generate():
         stop = {} if call_off is None else {"call_off": call_off}
+        if pushes is not None:
+            stop["pushes"] = pushes
         out = rollout.generate([ex.prompt_ids for ex in examples], params, **stop)
     if out is None:
         return None
@@ -160,6 +169,8 @@ def generate_and_score(
         data_source=[ex.data_source for ex in owners],
         reward_error=list(rewards.errors),
         routed_experts=None if out.routed_experts is None else [torch.as_tensor(r).to("cpu", routing_dtype) for r in out.routed_experts],
+        weight_version=None if out.weight_versions is None else [oldest_version(spans) for spans in out.weight_versions],
+        version_spans=None if out.weight_versions is None else [tuple(spans) for spans in out.weight_versions],
     )
 
 

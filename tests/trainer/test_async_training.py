@@ -10,6 +10,8 @@ weights the current step starts from while it trains:
   work instead of running ahead (`async/engine_wait_s`), nothing is ever older than one version;
 * SIGTERM after step 2 leaves a checkpoint with the samples generated ahead (`async_state.pt`), and
   the resumed run's steps equal the uninterrupted run's in every deterministic metric;
+* with partial rollouts and an engine slower than the update, pushes land in generations in flight:
+  samples hold tokens of two versions, the token-level staleness is below the samples';
 * a checkpoint without that file cannot resume the asynchronous run (a named error), and a
   resumed run from it would need it: the pure check in `async_state.load`.
 """
@@ -32,6 +34,7 @@ STEPS = 5
 ASYNC = ["parallel.tp=2", "rollout.placement=separate", "rollout.num_gpus=1", "trainer.max_staleness=1", "algorithm.tis_cap=2"]
 SLOW_LAUNCH = Path(__file__).with_name("_slow_update_launch.py")
 UPDATE_SLEEP_S = 2.0
+DECODE_SLEEP_S = 0.3
 
 
 def _args(workspace, output: Path, *extra: str) -> list[str]:
@@ -94,20 +97,41 @@ def _sigterm_ranks_after_step(proc: subprocess.Popen, output: Path, step: int, t
 
 
 def test_the_bound_holds_under_a_slow_trainer(demo_workspace, tmp_path):
-    output = tmp_path / "slow"
-    from megatron_dapo.distributed.launch import find_free_port
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
-               "--master_port", str(find_free_port()), str(SLOW_LAUNCH), *_args(demo_workspace, output, "trainer.total_steps=4")]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MDAPO_TEST_UPDATE_SLEEP_S": str(UPDATE_SLEEP_S)}
-    assert_ok(subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
-    metrics = read_metrics(output)
+    metrics = _run_slowed(demo_workspace, tmp_path / "slow", {"MDAPO_TEST_UPDATE_SLEEP_S": str(UPDATE_SLEEP_S)}, "trainer.total_steps=4")
     for step, m in metrics.items():
         assert m["async/staleness_max"] <= 1, (step, m)
         assert m["async/batches_in_flight"] <= 1, (step, m)  # one train batch of 4 groups: one generation batch ahead
     # After the first step the engines finish what they were handed long before the slow update ends,
     # and then wait: most of the step, not generating further ahead.
     assert all(m["async/engine_wait_s"] > UPDATE_SLEEP_S / 2 for s, m in metrics.items() if s >= 3), metrics
+
+
+def _run_slowed(demo_workspace, output: Path, environment: dict, *extra: str) -> dict[int, dict]:
+    from megatron_dapo.distributed.launch import find_free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
+               "--master_port", str(find_free_port()), str(SLOW_LAUNCH), *_args(demo_workspace, output, *extra)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **environment}
+    assert_ok(subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
+    return read_metrics(output)
+
+
+def test_partial_rollouts_push_into_a_generation_in_flight(demo_workspace, tmp_path):
+    """`rollout.partial_rollouts=true` with an engine slower than the update (each decode step sleeps):
+    the push of step t lands while the engine generates step t + 1's batch, whose rows carry on with
+    the new weights. Samples then hold tokens of two versions (`async/partial_frac`), the token-level
+    staleness is below the samples' (their oldest token's), and the bound still holds."""
+    metrics = _run_slowed(
+        demo_workspace, tmp_path / "partial", {"MDAPO_TEST_DECODE_SLEEP_S": str(DECODE_SLEEP_S)},
+        "trainer.total_steps=4", "rollout.partial_rollouts=true",
+    )  # fmt: skip
+    assert sorted(metrics) == [1, 2, 3, 4]
+    crossed = [s for s, m in metrics.items() if m.get("async/partial_frac", 0) > 0]
+    assert crossed, {s: {k: v for k, v in m.items() if k.startswith("async/")} for s, m in metrics.items()}
+    for step, m in metrics.items():
+        assert m["async/staleness_max"] <= 1, (step, m)
+        assert 0 <= m["async/token_staleness_mean"] <= m["async/staleness_mean"], (step, m)
+    assert any(metrics[s]["async/token_staleness_mean"] < metrics[s]["async/staleness_mean"] for s in crossed)
 
 
 def test_a_checkpoint_without_the_async_state_is_a_named_error(tmp_path):
