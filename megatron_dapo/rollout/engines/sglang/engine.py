@@ -35,7 +35,15 @@ checks every recorded call against the installed 0.5.23's signatures. Calls used
   scheduler_components/weight_updater.py`); `end_weight_update` runs the post-load step;
 - `Engine.update_weights_from_tensor(named_tensors=, load_format=, flush_cache=)` -> (ok, message);
 - `Engine.flush_cache()`, `release_memory_occupation(tags=)`, `resume_memory_occupation(tags=)`,
-  `save_sharded_model(path=, pattern=)` (`named_weights`), `shutdown()`.
+  `save_sharded_model(path=, pattern=)` (`named_weights`), `shutdown()`;
+- partial rollouts (`generate(..., pushes=)`): `Engine.async_generate(input_ids=, sampling_params=,
+  return_logprob=, rid=)` as a task on `Engine.loop`, and the tokenizer manager's coroutines
+  (`Engine.tokenizer_manager`, `srt/managers/tokenizer_manager.py` and `tokenizer_control_mixin.py`)
+  `pause_generation(PauseGenerationReqInput(mode="retract"))`, `continue_generation(
+  ContinueGenerationReqInput(torch_empty_cache=))`, `update_weight_version(
+  UpdateWeightVersionReqInput(new_version=, abort_all_requests=False))`, `abort_request(rid=)`
+  (`srt/managers/io_struct.py`); each finished row's `meta_info["weight_versions"]`: [{"version",
+  "start", "end"}, ...] (`srt/utils/weight_versions.py`).
 
 Devices. SGLang starts one scheduler process per TP rank and puts TP rank i on GPU
 `base_gpu_id + i * gpu_id_step`, counted among the GPUs this process sees (0.5.23:
@@ -55,6 +63,21 @@ sent only for seeded calls). SGLang's radix cache shares the repeated prompt's p
 strings are kept in the output (`no_stop_trim`), like EOS. SGLang's returned log-probs are taken
 after temperature scaling (unless the server sets SGLANG_RETURN_ORIGINAL_LOGPROB), before
 top-k/top-p filtering: the actor's `log_softmax(logits / T)`. Greedy (T = 0) is SGLang's top_k = 1.
+
+Partial rollouts (`generate(..., pushes=)`, `_PushLanding`): weight pushes land between two decode
+steps while a batch generates, and the rows in flight carry on with the new weights. The batch runs
+as one `async_generate` task on the engine's event loop, which this process drives in slices of a
+few milliseconds (`PUSH_POLL_S`), asking `pushes.pending()` between slices. For a push it pauses
+SGLang's scheduler in "retract" mode: no forward pass runs until `continue_generation`, and every
+running request goes back to the waiting queue keeping its tokens but not its KV (SGLang's
+`Scheduler.pause_generation`; "in_place" would keep that KV, computed with the old weights, and
+"abort" would end the requests). While paused, the push arrives through the same `load_weights` /
+session calls as between batches (the sync `Engine.*` calls run the loop themselves: it is not
+running between slices), `commit` closes the session and flushes the radix cache (allowed while
+paused in retract mode: nothing holds KV), the scheduler's weight-version label is set to the new
+version, and generation resumes: each retracted request is prefilled again, prompt and tokens so
+far, with the new weights. SGLang's scheduler records the token count of every live request at the
+label change (`record_weight_version_change`), which gives each response's `weight_versions`.
 
 Weights. One update may span many `load_weights` calls (the trainer's weight sync sends one
 bucket per call): the first call opens SGLang's weight-update session (`begin_weight_update`) and
@@ -91,8 +114,9 @@ tensors (`hf_tensors_from_sglang_shards`); meant for sync checks, not for every 
 
 from __future__ import annotations
 
+import asyncio
 import base64
-
+import contextlib
 import json
 import os
 import re
@@ -101,6 +125,7 @@ import socket
 import struct
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
@@ -109,7 +134,16 @@ from safetensors.torch import load_file
 
 from megatron_dapo.rollout.engines.process_state import sigterm_ignored_by_new_processes, temporary_environment
 from megatron_dapo.rollout.engines.sglang import cpu_compat as sglang_cpu_compat
-from megatron_dapo.rollout.base import ENGINE_MEMORY_TAGS, GenerationOutput, RolloutEngine, SamplingParams, check_memory_tags
+from megatron_dapo.rollout.base import (
+    ENGINE_MEMORY_TAGS,
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    VersionSpans,
+    WeightPushes,
+    check_memory_tags,
+    version_spans,
+)
 from megatron_dapo.model.bucketing import DEFAULT_BUCKET_MB, iter_buckets
 from megatron_dapo.compat.versions import require as require_version
 from megatron_dapo.rollout.sync.shared_memory import shared_memory_root
@@ -124,6 +158,10 @@ CPU_MAX_TOTAL_TOKENS = 16384
 otherwise size it from `mem_fraction_static` times the machine's RAM."""
 FINISH_LENGTH = "length"
 WEIGHT_LOAD_FORMATS = ("flattened_bucket", "tensors")
+PUSH_POLL_S = 0.005
+"""How long `generate(..., pushes=)` lets SGLang's event loop run between two `pushes.pending()`."""
+ABORT_WAIT_S = 60.0
+"""How long an aborted batch may take to leave SGLang before the adapter calls the engine unclean."""
 
 
 def _graph_tags() -> list[str]:
@@ -445,11 +483,34 @@ class SGLangEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+    takes_pushes_while_generating = True
+    """SGLang runs its scheduler in its own processes: a push can land between two of its decode steps."""
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, pushes: Optional[WeightPushes] = None
+    ) -> GenerationOutput:
+        """`params.n` responses per prompt, prompt-major.
+
+        `pushes` (`WeightPushes`): asked every `PUSH_POLL_S` while the batch generates; a pending push
+        lands between two decode steps (`_PushLanding`, module doc) and the rows in flight continue
+        with its weights. The output then carries each response's `weight_versions`, counted from
+        `pushes.version` at the call's start. A push still pending when the batch is done stays
+        pending (the caller receives it between calls: `pushes.receive(engine.load_weights,
+        engine.commit_weights)`). On any error the batch's requests are aborted, the weight-update
+        session is closed and the scheduler runs again: the engine is ready for the next call.
+        """
         engine = self._awake_engine()
         self.commit_weights()
+        if pushes is not None and params.return_routed_experts:
+            # The prefill after a push routes the earlier tokens again with the new weights: the
+            # routing SGLang would return no longer matches the one the tokens were sampled with.
+            raise ValueError("routed experts are not recorded across weight pushes: pass pushes or return_routed_experts, not both")
+        start_version = pushes.version if pushes is not None else 0
         if not prompt_ids:
-            return collect_sglang_outputs([], 0, params)
+            out = collect_sglang_outputs([], 0, params)
+            if pushes is not None:
+                out.weight_versions = []
+            return out
         rows = [[int(token) for token in prompt] for prompt in prompt_ids for _ in range(params.n)]
         sampling = [
             sglang_sampling_params(params, None if params.seed is None else params.seed + row)
@@ -460,10 +521,16 @@ class SGLangEngine(RolloutEngine):
             if self._routing_shape is None:
                 raise ValueError("this SGLang engine was started without return_routed_experts: it cannot return routed experts")
             extra["return_routed_experts"] = True
-        outputs = engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=params.logprobs, **extra)
+        if pushes is None:
+            outputs = engine.generate(input_ids=rows, sampling_params=sampling, return_logprob=params.logprobs, **extra)
+        else:
+            outputs = _PushLanding(self, engine, pushes).generate(rows, sampling, params.logprobs)
         if isinstance(outputs, dict):  # defensive: a single row can come back unwrapped
             outputs = [outputs]
-        return collect_sglang_outputs(outputs, len(prompt_ids), params, [len(p) for p in prompt_ids], self._routing_shape)
+        out = collect_sglang_outputs(outputs, len(prompt_ids), params, [len(p) for p in prompt_ids], self._routing_shape)
+        if pushes is not None:
+            out.weight_versions = _weight_versions(outputs, start_version)
+        return out
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -523,6 +590,27 @@ class SGLangEngine(RolloutEngine):
         if self._cache_stale:
             # Resets SGLang's cache bookkeeping only (no memory is touched), so a sleeping KV cache is fine.
             _raise_on_failure(engine.flush_cache(), "flush_cache failed (requests still running?)")
+            self._cache_stale = False
+
+    def _commit_push(self) -> None:
+        """The `commit` of a push landing while generation is paused (`_PushLanding`): close the session
+        (SGLang's post-load step) and drop the radix cache of the old weights. SGLang flushes only
+        when no request holds KV: true while it is paused in retract mode, so a refusal is an error
+        (resuming would let a request admitted after the push reuse a prefix of the old weights)."""
+        engine = self._require_engine()
+        self._close_update(engine)
+        _raise_on_failure(engine.flush_cache(), "flush_cache failed after a weight push (requests still hold KV?)")
+        self._cache_stale = False
+
+    def _close_failed_push(self) -> None:
+        """After a push failed midway (the batch aborted, the scheduler still paused): close its session
+        so that the engine serves what it holds, and drop the radix cache (computed with weights that
+        may have changed since; left stale, the next `commit_weights` drops it). Best effort: the
+        push's own error is the one to raise."""
+        engine = self._require_engine()
+        self._close_update(engine, quiet=True)
+        with contextlib.suppress(Exception):
+            _raise_on_failure(engine.flush_cache(), "flush_cache failed")
             self._cache_stale = False
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -606,6 +694,144 @@ class SGLangEngine(RolloutEngine):
 
     def _hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return hf_checkpoint_shapes(self._hf_dir)
+
+
+class _PushLanding:
+    """One `generate(..., pushes=)` batch: runs it on SGLang's event loop and lands each pending push
+    between two decode steps (module doc, "Partial rollouts").
+
+    Not blocking. `Engine.generate` would hold this process in `loop.run_until_complete` for the
+    whole batch. Here the batch is one `async_generate` task on `Engine.loop`, and this process runs
+    the loop in slices of `PUSH_POLL_S` (`asyncio.wait` with a timeout) and asks `pushes.pending()`
+    between them: SGLang's scheduler decodes in its own process all the while, its outputs wait in
+    the tokenizer manager's socket until the next slice reads them. Every call of `pushes` runs in
+    the caller's thread (it may talk to the trainer: collectives, its CUDA device), and since the
+    loop is not running between slices, the push goes through the same synchronous `Engine.*` calls
+    as a push between batches (`load_weights`, `_commit_push`): they run the loop themselves.
+
+    Pausing. `pause_generation(mode="retract")` (SGLang 0.5.23: `Scheduler.pause_generation`) stops
+    the scheduler's forward passes and moves every running request back to the waiting queue with
+    its tokens, freeing its KV; `continue_generation` prefills them again - prompt plus tokens so
+    far, with the weights loaded by then - so no token after the push reads KV of the old weights.
+    "in_place" would resume on that old KV; "abort" would end the requests. The tokenizer manager
+    sends the pause and every later control call down one ZMQ socket to the scheduler, which handles
+    them in order, so the weight-update session and the flush run while it is paused.
+
+    Exact token counts. Each response's count at the push comes from SGLang's scheduler, not from
+    what reached this process: `update_weight_version` is sent after the pause, and the scheduler,
+    paused (no forward pass between the two), appends `len(req.output_ids)` of every live request to
+    its `weight_version_events` (`Scheduler.record_weight_version_change`) - the number of tokens
+    sampled with the old weights, exactly - and reports the spans with the finished row
+    (`meta_info["weight_versions"]`, read by `_weight_versions`). Counting the streamed tokens
+    instead would not be exact: the scheduler holds back tokens that may begin a stop string
+    (`check_match_stop_str_prefix`), and tokens and control replies reach the tokenizer manager
+    through two sockets of the scheduler, which its receiving socket interleaves in no fixed order,
+    so no reply proves that every token sent before it has arrived. The label of a version is the
+    version itself (`str(version)`), set before the batch's first request and after every push.
+    """
+
+    def __init__(self, adapter: "SGLangEngine", engine: Any, pushes: WeightPushes) -> None:
+        self._adapter, self._engine, self._pushes = adapter, engine, pushes
+        self._loop, self._manager = engine.loop, engine.tokenizer_manager
+        self._commits = 0
+
+    def generate(self, rows: list[list[int]], sampling: list[dict], return_logprob: bool) -> list[dict]:
+        """SGLang's per-row dicts, in row order (as `Engine.generate` returns them)."""
+        # The label outlives a call (it is the scheduler's): set it before this batch's first request.
+        self._label(self._pushes.version)
+        # Random, equally long ids: SGLang aborts every request whose id STARTS with the one given.
+        rids = [uuid.uuid4().hex for _ in rows]
+        task = self._loop.create_task(
+            self._engine.async_generate(input_ids=rows, sampling_params=sampling, return_logprob=return_logprob, rid=rids)
+        )
+        try:
+            while True:
+                self._loop.run_until_complete(asyncio.wait([task], timeout=PUSH_POLL_S))
+                if task.done():
+                    return task.result()
+                if self._pushes.pending():
+                    self._land(rids)
+        except BaseException:
+            self._abort(task, rids)
+            raise
+
+    def _land(self, rids: list[str]) -> None:
+        manager = self._manager
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        try:
+            self._loop.run_until_complete(manager.pause_generation(PauseGenerationReqInput(mode="retract")))
+            commits = self._commits
+            version = self._pushes.receive(self._adapter.load_weights, self._commit)
+            if self._commits == commits or self._adapter._update_open:
+                # Resuming on an open session would run the model on layers halfway loaded.
+                raise RuntimeError("a weight push must call commit() once, after its last load")
+            self._label(version)
+        except BaseException:
+            # Nothing may run on weights pushed halfway: abort the batch while paused (its retracted
+            # requests leave the waiting queue at once), close the session, and only then resume.
+            with contextlib.suppress(Exception):
+                for rid in rids:
+                    manager.abort_request(rid=rid)
+            self._adapter._close_failed_push()
+            with contextlib.suppress(Exception):
+                self._resume()
+            raise
+        self._resume()
+
+    def _commit(self) -> None:
+        self._adapter._commit_push()
+        self._commits += 1
+
+    def _label(self, version: int) -> None:
+        """Set the scheduler's weight-version label; the scheduler records every live request's token count."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        label = UpdateWeightVersionReqInput(new_version=str(int(version)), abort_all_requests=False)
+        self._loop.run_until_complete(self._manager.update_weight_version(label))
+
+    def _resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        # On CUDA SGLang empties the allocator's cache first (what the weight update left behind).
+        resume = ContinueGenerationReqInput(torch_empty_cache=not self._adapter._on_cpu)
+        self._loop.run_until_complete(self._manager.continue_generation(resume))
+
+    def _abort(self, task: "asyncio.Task", rids: list[str]) -> None:
+        """Leave no request of the batch in SGLang: cancel the batch's task (SGLang's tokenizer manager
+        aborts its dispatched requests then: `_release_req_states_on_failure`) and wait until the
+        scheduler has answered each one (its state leaves `rid_to_state` with the scheduler's last
+        output)."""
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+
+        async def gone() -> bool:
+            deadline = self._loop.time() + ABORT_WAIT_S
+            while any(rid in self._manager.rid_to_state for rid in rids):
+                if self._loop.time() > deadline:
+                    return False
+                await asyncio.sleep(PUSH_POLL_S)
+            return True
+
+        if not self._loop.run_until_complete(gone()):
+            left = sum(rid in self._manager.rid_to_state for rid in rids)
+            raise RuntimeError(f"SGLang kept {left} of the batch's {len(rids)} requests {ABORT_WAIT_S:.0f}s after aborting them")
+
+
+def _weight_versions(outputs: Sequence[dict], start_version: int) -> list[VersionSpans]:
+    """Each row's `VersionSpans` from SGLang's weight-version spans (`_PushLanding`), in row order."""
+    spans = []
+    for row, output in enumerate(outputs):
+        labelled = output["meta_info"].get("weight_versions")
+        if labelled is None:
+            raise RuntimeError(f"SGLang output {row} carries no weight-version spans (meta_info['weight_versions'])")
+        try:
+            landed = [(int(span["start"]), int(span["version"])) for span in labelled]
+        except ValueError:
+            raise RuntimeError(f"SGLang output {row}: weight versions {labelled} are not the labels this adapter set") from None
+        spans.append(version_spans(start_version, landed, len(output["output_ids"])))
+    return spans
 
 
 def prepare_import(device: Optional[str] = None) -> None:
