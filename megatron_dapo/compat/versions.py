@@ -272,6 +272,18 @@ SGLANG = Requirement(
             fields=("get_flattened_tensor", "get_metadata", "supports_multi_dtypes"),
         ),
         Probe("sglang.srt.constants", "GPU_MEMORY_TYPE_CUDA_GRAPH"),
+        # Partial rollouts (generate(..., pushes=), `_PushLanding`): the batch as a task on the engine's
+        # loop, the pause / version / resume coroutines of its tokenizer manager, and their requests.
+        Probe("sglang.srt.entrypoints.engine", "Engine.async_generate",
+              parameters=("input_ids", "sampling_params", "return_logprob", "rid")),  # fmt: skip
+        Probe("sglang.srt.managers.tokenizer_manager", "TokenizerManager",
+              fields=("pause_generation", "continue_generation", "update_weight_version", "abort_request")),  # fmt: skip
+        Probe("sglang.srt.managers.tokenizer_manager", "TokenizerManager.abort_request", parameters=("rid",)),
+        Probe("sglang.srt.managers.io_struct", "PauseGenerationReqInput", parameters=("mode",)),
+        Probe("sglang.srt.managers.io_struct", "ContinueGenerationReqInput", parameters=("torch_empty_cache",)),
+        Probe("sglang.srt.managers.io_struct", "UpdateWeightVersionReqInput", parameters=("new_version", "abort_all_requests")),
+        # The scheduler's per-token weight-version spans of a finished row (meta_info["weight_versions"]).
+        Probe("sglang.srt.utils.weight_versions", "add_weight_versions_to_meta_info"),
     ),
 )
 
