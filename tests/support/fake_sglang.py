@@ -6,6 +6,7 @@ SGLang's signatures). The `fake` fixture (tests/rollout/engines/conftest.py) ins
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import torch
@@ -19,9 +20,50 @@ class FakeSGLang:
         self.serialized: dict[str, object] = {}
         fake = self
 
+        class TokenizerManager:
+            """The coroutines a partial rollout calls (`_PushLanding`); the batch's rows wait for the
+            first resume after a pause, and report the weight-version labels SGLang would."""
+
+            def __init__(self):
+                self.rid_to_state: dict = {}
+                self.label = "default"
+                self.resumed = asyncio.Event()
+
+            async def pause_generation(self, obj):
+                fake.calls.append(("pause_generation", vars(obj)))
+
+            async def continue_generation(self, obj):
+                fake.calls.append(("continue_generation", vars(obj)))
+                self.resumed.set()
+
+            async def update_weight_version(self, obj):
+                fake.calls.append(("update_weight_version", vars(obj)))
+                self.label = obj.new_version
+
+            def abort_request(self, rid="", abort_all=False):
+                fake.calls.append(("abort_request", {"rid": rid, "abort_all": abort_all}))
+
         class Engine:
             def __init__(self, **kwargs):
                 fake.calls.append(("Engine", kwargs))
+                self.tokenizer_manager = TokenizerManager()
+                self._loop = None
+
+            @property
+            def loop(self):
+                if self._loop is None:  # made on first use: most tests never generate with pushes
+                    self._loop = asyncio.new_event_loop()
+                return self._loop
+
+            async def async_generate(self, **kwargs):
+                """Two tokens per row; a push lands after the first (the rows wait for the resume)."""
+                fake.calls.append(("async_generate", kwargs))
+                manager = self.tokenizer_manager
+                before = manager.label
+                await manager.resumed.wait()
+                spans = [{"version": before, "start": 0, "end": 1}, {"version": manager.label, "start": 1, "end": 2}]
+                meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.5, 3, None), (-0.25, 4, None)]}
+                return [{"output_ids": [3, 4], "meta_info": {**meta, "weight_versions": spans}} for _ in kwargs["input_ids"]]
 
             def generate(self, **kwargs):
                 fake.calls.append(("generate", kwargs))
@@ -97,6 +139,12 @@ class FakeSGLang:
         class SamplingParams:
             def __init__(self, max_new_tokens=128, stop_token_ids=None, no_stop_trim=False, skip_special_tokens=True, sampling_seed=None): ...
 
+        class Request:
+            """SGLang's io_struct requests as far as the adapter builds them: their fields, recorded."""
+
+            def __init__(self, **kwargs):
+                self.__dict__.update(kwargs)
+
         names = (
             "sglang",
             "sglang.srt",
@@ -106,6 +154,9 @@ class FakeSGLang:
             "sglang.srt.utils.patch_torch",
             "sglang.srt.weight_sync.tensor_bucket",
             "sglang.srt.constants",
+            "sglang.srt.managers.io_struct",
+            "sglang.srt.managers.tokenizer_manager",
+            "sglang.srt.utils.weight_versions",
         )
         self.modules = {name: types.ModuleType(name) for name in names}
         self.modules["sglang"].Engine = Engine
@@ -116,6 +167,10 @@ class FakeSGLang:
         self.modules["sglang.srt.utils"].MultiprocessingSerializer = MultiprocessingSerializer
         self.modules["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = monkey_patch_torch_reductions
         self.modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorBucket = FlattenedTensorBucket
+        self.modules["sglang.srt.managers.tokenizer_manager"].TokenizerManager = TokenizerManager
+        self.modules["sglang.srt.utils.weight_versions"].add_weight_versions_to_meta_info = lambda meta_info, spans, num_output_tokens: None
+        for name in ("PauseGenerationReqInput", "ContinueGenerationReqInput", "UpdateWeightVersionReqInput"):
+            setattr(self.modules["sglang.srt.managers.io_struct"], name, type(name, (Request,), {}))
         self.engine_class, self.bucket_class = Engine, FlattenedTensorBucket
 
     def names(self) -> list[str]:

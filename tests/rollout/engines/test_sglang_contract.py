@@ -5,8 +5,8 @@ SGLang's memory tags, the cache flush, reading weights back, TP = 2) runs agains
 0.5.23 CPU engine in test_sglang_engine.py and the check-sync tests. What is left here is what
 only a GPU engine does: the engine's construction on CUDA (memory saver on, GPU placement), the
 CUDA IPC path of the flattened buckets (SGLang's reduction fix applied once, one serialised
-payload per TP rank), and the memory saver's sleep / wake calls (with the saver off on a GPU,
-none). A fake `sglang.Engine` (tests/support/fake_sglang.py, installed by the `fake` fixture)
+payload per TP rank), the memory saver's sleep / wake calls (with the saver off on a GPU, none),
+and a push landing mid-generation on CUDA (partial rollouts: its calls in order). A fake `sglang.Engine` (tests/support/fake_sglang.py, installed by the `fake` fixture)
 records these calls; `test_the_fake_has_the_tested_release_signatures` checks every call it
 records against the installed SGLang 0.5.23 (its source is the contract).
 """
@@ -114,6 +114,46 @@ def test_cuda_buckets_carry_one_payload_per_tp_rank_after_sglangs_ipc_fix(fake, 
     assert all(got.dtype == sent.dtype and torch.equal(got, sent) for (_, got), (_, sent) in zip(received, weights))
 
 
+def test_a_push_between_decode_steps_on_cuda(fake, tmp_path):
+    """Partial rollouts on the GPU path: the push goes in as flattened buckets while SGLang is paused
+    (retract), and the resume empties CUDA's allocator cache (the CPU engine skips that). The real
+    engine runs the rest on CPU (test_sglang_partial.py)."""
+    from tests.support.pushes import ScriptedPushes
+
+    engine = gpu_engine(tmp_path)
+    fake.clear()
+    weights = [("model.norm.weight", torch.ones(8)), ("lm_head.weight", torch.zeros(4, 8))]
+    pushes = ScriptedPushes([(1, weights)], start_version=2)
+    out = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), pushes=pushes)
+    assert pushes.exhausted and out.weight_versions == [((0, 2), (1, 3))]
+    assert fake.names() == [
+        "update_weight_version",  # the label of the version the batch starts with
+        "async_generate",
+        "pause_generation",
+        "begin_weight_update",
+        "monkey_patch_torch_reductions",
+        "serialize",
+        "update_weights_from_tensor",
+        "serialize",
+        "update_weights_from_tensor",  # ScriptedPushes sends two buckets
+        "end_weight_update",
+        "flush_cache",
+        "update_weight_version",  # the pushed version, still paused
+        "continue_generation",
+    ]
+    calls = dict(fake.calls)  # the last call of each name
+    assert [kwargs for name, kwargs in fake.calls if name == "update_weight_version"] == [
+        {"new_version": "2", "abort_all_requests": False},
+        {"new_version": "3", "abort_all_requests": False},
+    ]
+    assert calls["pause_generation"] == {"mode": "retract"}
+    assert calls["continue_generation"] == {"torch_empty_cache": True}
+    generate = calls["async_generate"]
+    assert set(generate) == {"input_ids", "sampling_params", "return_logprob", "rid"} and generate["input_ids"] == [[1, 2]]
+    updates = [kwargs for name, kwargs in fake.calls if name == "update_weights_from_tensor"]
+    assert len(updates) == 2 and all(u["load_format"] == "flattened_bucket" and u["flush_cache"] is False for u in updates)
+
+
 def test_memory_saver_calls_and_tags(fake, tmp_path):
     """The trainer's order with the memory saver: sleep -> wake weights -> push -> wake KV cache (+ CUDA graphs)."""
     engine = gpu_engine(tmp_path)
@@ -173,6 +213,18 @@ def test_the_fake_has_the_tested_release_signatures(require_sglang):
     assert accepts(MultiprocessingSerializer.serialize, "obj", "output_str")
     assert accepts(FlattenedTensorBucket.__init__, "named_tensors", "flattened_tensor", "metadata")
     assert FlattenedTensorBucket.supports_multi_dtypes is True
+    # Partial rollouts: the batch's task, and the tokenizer manager's coroutines with their requests.
+    from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput, UpdateWeightVersionReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    assert accepts(Engine.async_generate, "input_ids", "sampling_params", "return_logprob", "rid")
+    for name in ("pause_generation", "continue_generation", "update_weight_version"):
+        assert inspect.iscoroutinefunction(getattr(TokenizerManager, name)) and accepts(getattr(TokenizerManager, name), "obj"), name
+    assert accepts(TokenizerManager.abort_request, "rid") and not inspect.iscoroutinefunction(TokenizerManager.abort_request)
+    assert PauseGenerationReqInput(mode="retract").mode == "retract"
+    assert ContinueGenerationReqInput(torch_empty_cache=True).torch_empty_cache is True
+    label = UpdateWeightVersionReqInput(new_version="3", abort_all_requests=False)
+    assert (label.new_version, label.abort_all_requests) == ("3", False)
     assert set(GPU_MEMORY_ALL_TYPES) == {"weights", "kv_cache", GPU_MEMORY_TYPE_CUDA_GRAPH} and GPU_MEMORY_TYPE_CUDA_GRAPH == "cuda_graph"
 
 
