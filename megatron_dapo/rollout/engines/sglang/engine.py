@@ -734,6 +734,7 @@ class _PushLanding:
         self._adapter, self._engine, self._pushes = adapter, engine, pushes
         self._loop, self._manager = engine.loop, engine.tokenizer_manager
         self._commits = 0
+        self._paused = False  # a pause may have reached SGLang and no resume has since
 
     def generate(self, rows: list[list[int]], sampling: list[dict], return_logprob: bool) -> list[dict]:
         """SGLang's per-row dicts, in row order (as `Engine.generate` returns them)."""
@@ -752,15 +753,18 @@ class _PushLanding:
                 if self._pushes.pending():
                     self._land(rids)
         except BaseException:
+            if self._paused:
+                with contextlib.suppress(Exception):
+                    self._resume()
             self._abort(task, rids)
             raise
 
     def _land(self, rids: list[str]) -> None:
-        manager = self._manager
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        self._paused = True  # from here on a resume is owed, even if the pause call itself is interrupted
+        self._loop.run_until_complete(self._manager.pause_generation(PauseGenerationReqInput(mode="retract")))
         try:
-            self._loop.run_until_complete(manager.pause_generation(PauseGenerationReqInput(mode="retract")))
             commits = self._commits
             version = self._pushes.receive(self._adapter.load_weights, self._commit)
             if self._commits == commits or self._adapter._update_open:
@@ -769,13 +773,11 @@ class _PushLanding:
             self._label(version)
         except BaseException:
             # Nothing may run on weights pushed halfway: abort the batch while paused (its retracted
-            # requests leave the waiting queue at once), close the session, and only then resume.
+            # requests leave the waiting queue at once) and close the session; `generate` resumes.
             with contextlib.suppress(Exception):
                 for rid in rids:
-                    manager.abort_request(rid=rid)
+                    self._manager.abort_request(rid=rid)
             self._adapter._close_failed_push()
-            with contextlib.suppress(Exception):
-                self._resume()
             raise
         self._resume()
 
@@ -796,6 +798,7 @@ class _PushLanding:
         # On CUDA SGLang empties the allocator's cache first (what the weight update left behind).
         resume = ContinueGenerationReqInput(torch_empty_cache=not self._adapter._on_cpu)
         self._loop.run_until_complete(self._manager.continue_generation(resume))
+        self._paused = False
 
     def _abort(self, task: "asyncio.Task", rids: list[str]) -> None:
         """Leave no request of the batch in SGLang: cancel the batch's task (SGLang's tokenizer manager
