@@ -6,7 +6,10 @@ equal the actor's to float32 noise (`rollout_mismatch/max_abs`). vLLM runs one s
 (`trainer.max_staleness=1`; one vLLM start covers both checks): its first step is generated with the
 weights it trains from (the first push, equal to float32 noise), and the batches generated ahead
 were sampled with the weights one update older, so from then on the same comparison shows the
-update's size, and staleness is at most 1. SGLang runs synchronously: every step's push equal.
+update's size, and staleness is at most 1. Its pushes land between decode steps
+(`rollout.partial_rollouts=true`, the vLLM path of test_vllm_partial.py inside a run): a sample a
+push landed in still counts as one update behind (its oldest token). SGLang runs synchronously:
+every step's push equal.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ def _run(workspace, output, engine: str, steps: int, *extra: str) -> dict[int, d
 
 
 def test_vllm_on_its_own_rank_gets_the_pushes_and_runs_one_step_off(require_vllm, demo_workspace, tmp_path):
-    metrics = _run(demo_workspace, tmp_path / "vllm-async", "vllm", 3, "trainer.max_staleness=1", "algorithm.tis_cap=2")
+    metrics = _run(
+        demo_workspace, tmp_path / "vllm-async", "vllm", 3, "trainer.max_staleness=1", "algorithm.tis_cap=2", "rollout.partial_rollouts=true"
+    )
     # step 1: generated after the first push with the starting weights, and trained from them
     assert metrics[1]["rollout_mismatch/max_abs"] < SAME_WEIGHTS and metrics[1]["async/staleness_max"] == 0
     for step in (2, 3):
         m = metrics[step]
         assert m["async/staleness_max"] <= 1
+        assert 0 <= m["async/token_staleness_mean"] <= m["async/staleness_mean"] and 0 <= m["async/partial_frac"] <= 1
         assert m["weight_sync/seconds"] > 0  # every step pushes
         if m["async/staleness_frac_1"] == 1.0:  # generated ahead: one update behind the actor
             assert m["rollout_mismatch/max_abs"] > SAME_WEIGHTS, m
