@@ -151,6 +151,7 @@ def _fake_sglang(version: str, session: bool) -> dict[str, object]:
         def resume_memory_occupation(self, tags=None): ...
         def save_sharded_model(self, **kwargs): ...
         def shutdown(self): ...
+        async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False, rid=None): ...
 
     if session:
         Engine.begin_weight_update = lambda self, selector="all": None
@@ -174,7 +175,27 @@ def _fake_sglang(version: str, session: bool) -> dict[str, object]:
     )
     constants = types.ModuleType("sglang.srt.constants")
     constants.GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"
+    manager = types.ModuleType("sglang.srt.managers.tokenizer_manager")
+
+    class TokenizerManager:
+        async def pause_generation(self, obj): ...
+        async def continue_generation(self, obj): ...
+        async def update_weight_version(self, obj): ...
+        def abort_request(self, rid="", abort_all=False): ...
+
+    manager.TokenizerManager = TokenizerManager
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    io_struct.PauseGenerationReqInput = type("PauseGenerationReqInput", (), {"__init__": lambda self, *, mode="abort": None})
+    io_struct.ContinueGenerationReqInput = type("ContinueGenerationReqInput", (), {"__init__": lambda self, *, torch_empty_cache=True: None})
+    io_struct.UpdateWeightVersionReqInput = type(
+        "UpdateWeightVersionReqInput", (), {"__init__": lambda self, *, new_version, abort_all_requests=True: None}
+    )
+    weight_versions = types.ModuleType("sglang.srt.utils.weight_versions")
+    weight_versions.add_weight_versions_to_meta_info = lambda meta_info, spans, num_output_tokens: None
     return {
+        "sglang.srt.managers.tokenizer_manager": manager,
+        "sglang.srt.managers.io_struct": io_struct,
+        "sglang.srt.utils.weight_versions": weight_versions,
         "sglang": sglang,
         "sglang.srt.entrypoints.engine": engine,
         "sglang.srt.sampling.sampling_params": sampling,
