@@ -3,6 +3,7 @@
     pushes = ScriptedPushes([(3, new_weights)])      # due once `pending()` was asked 3 times
     out = engine.generate(prompts, params, pushes=pushes)
     pushes.landed        # [(polls when it landed, version it brought)]
+    BrokenPushes(weights, after_polls=3, raises=True)   # a push that fails halfway (or never commits)
     out.weight_versions  # per response: ((0, 0), (k, 1)): tokens from k on sampled with version 1
 
 Each push is due once `pending()` has been asked `after_polls` times in all (counted over the
@@ -54,3 +55,27 @@ class ScriptedPushes(WeightPushes):
     def exhausted(self) -> bool:
         """Every scripted push landed."""
         return not self._due
+
+
+class BrokenPushes(WeightPushes):
+    """A push that breaks (due once `pending()` was asked `after_polls` times): with `raises` it
+    loads half of the tensors and raises ConnectionError, else it loads every tensor and never
+    commits."""
+
+    def __init__(self, weights, after_polls: int, raises: bool) -> None:
+        self._weights, self._after, self._raises, self.polls = list(weights), after_polls, raises, 0
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def pending(self) -> bool:
+        self.polls += 1
+        return self.polls >= self._after
+
+    def receive(self, load, commit) -> int:
+        if not self._raises:
+            load(self._weights)
+            return 1
+        load(self._weights[: len(self._weights) // 2])
+        raise ConnectionError("the trainer went away in the middle of a push")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.base import SamplingParams, WeightPushes
-from tests.support.pushes import ScriptedPushes
+from megatron_dapo.rollout.base import SamplingParams
+from tests.support.pushes import BrokenPushes, ScriptedPushes
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 LONG = SamplingParams(temperature=0, max_new_tokens=96)
@@ -186,29 +186,6 @@ def test_a_push_between_calls_and_calls_where_none_lands(models):
     with pytest.raises(ValueError, match="routed experts"):
         engine.generate(PROMPTS, SamplingParams(return_routed_experts=True), pushes=pushes)
     assert_engine_clean(engine)
-
-
-class BrokenPushes(WeightPushes):
-    """A push that breaks: after loading half of the tensors it raises, or it loads every tensor
-    and never commits."""
-
-    def __init__(self, weights, after_polls: int, raises: bool) -> None:
-        self._weights, self._after, self._raises, self.polls = weights, after_polls, raises, 0
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def pending(self) -> bool:
-        self.polls += 1
-        return self.polls >= self._after
-
-    def receive(self, load, commit) -> int:
-        if not self._raises:
-            load(self._weights)
-            return 1
-        load(self._weights[: len(self._weights) // 2])
-        raise ConnectionError("the trainer went away in the middle of a push")
 
 
 def test_a_broken_push_leaves_the_engine_clean(models):

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.base import SamplingParams, WeightPushes
+from megatron_dapo.rollout.base import SamplingParams
 from tests.rollout.engines.test_vllm_engine import _checkpoint_tensors, _load_reference, _save_qwen2, reference_log_probs
-from tests.support.pushes import ScriptedPushes
+from tests.support.pushes import BrokenPushes, ScriptedPushes
 from tests.support.vllm_engines import start_test_engine
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68], [300, 12], [90, 91, 92, 93]]
@@ -165,29 +165,6 @@ def test_a_push_while_the_engine_is_idle_and_calls_without_pushes(models):
     assert plain.response_ids == out.response_ids  # same seeds, same weights: same responses
     assert_engine_clean(engine)
     assert engine.generate([], params, pushes=pushes).weight_versions == []
-
-
-class BrokenPushes(WeightPushes):
-    """A push that breaks: after loading its first bucket (half of the tensors) it raises, or it
-    loads every tensor and never commits."""
-
-    def __init__(self, weights, after_polls: int, raises: bool) -> None:
-        self._weights, self._after, self._raises, self.polls = weights, after_polls, raises, 0
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def pending(self) -> bool:
-        self.polls += 1
-        return self.polls >= self._after
-
-    def receive(self, load, commit) -> int:
-        if not self._raises:
-            load(self._weights)
-            return 1
-        load(self._weights[: len(self._weights) // 2])
-        raise ConnectionError("the trainer went away in the middle of a push")
 
 
 def test_a_broken_push_leaves_the_engine_clean(models):
