@@ -84,10 +84,13 @@ def serve_rollout(cfg: Config, runtime: Any, say: Callable[[str], None] = print)
     sending: list = []  # results on their way: the next request is read while the head has not taken them yet
     try:
         while True:
-            waiting = time.perf_counter()
-            message = bridge.recv(0) if pushes is None else _next_work(listener, pushes, engine.load_weights, commit)
-            waited = time.perf_counter() - waiting
-            timeline.waited(waited)
+            if pushes is None:
+                waiting = time.perf_counter()
+                message = bridge.recv(0)
+                waited = time.perf_counter() - waiting
+                timeline.waited(waited)
+            else:
+                message, waited = _next_work(listener, pushes, timeline, engine.load_weights, commit)
             if isinstance(message, GenerateShare):
                 timeline.started()
                 result = _generate_share(rollout, reward, message, version if pushes is None else pushes.version, waited, pushes)
@@ -141,16 +144,22 @@ class OwnerTimeline:
         return tuple(busy), waited
 
 
-def _next_work(listener: Any, pushes: BridgePushes, load: Callable, commit: Callable) -> Any:
-    """Partial rollouts: the head's next message other than a push, taking every push that arrives
-    meanwhile (a push goes first: a request waiting beside it is then generated with the new weights)."""
+def _next_work(listener: Any, pushes: BridgePushes, timeline: OwnerTimeline, load: Callable, commit: Callable) -> tuple[Any, float]:
+    """Partial rollouts: (the head's next message other than a push, seconds waited for messages),
+    taking every push that arrives meanwhile (a push goes first: a request waiting beside it is
+    then generated with the new weights). Only the waits count as waiting, not the pushes' loads."""
+    waited = 0.0
     while True:
         if pushes.pending():
             pushes.receive(load, commit)
             continue
+        waiting = time.perf_counter()
         message = listener.take(block=True)
+        seconds = time.perf_counter() - waiting
+        timeline.waited(seconds)  # before a push this wait is reported with it
+        waited += seconds
         if not isinstance(message, PushWeights):
-            return message
+            return message, waited
         pushes.hold(message)
 
 
