@@ -1,4 +1,5 @@
-"""A PNG of a run's reward, validation accuracy and response length per step, from ``metrics.jsonl``.
+"""A PNG of a run's reward, validation accuracy and response length per step (and its asynchronous
+training), from ``metrics.jsonl``.
 
     plot_metrics("outputs/run/metrics.jsonl", "outputs/run/plot.png", title="dapo tiny")
     python -m megatron_dapo.tracking.plot outputs/run/metrics.jsonl outputs/run/plot.png
@@ -11,6 +12,17 @@ Three panels side by side:
   markers each (validation runs only every few steps);
 * response length: ``response_length/mean`` in tokens, and ``response_length/clip_ratio`` (the
   share of responses cut at the length limit) on a second y axis.
+
+An asynchronous run (`trainer.max_staleness > 0`: its ``async/staleness_frac_<s>`` keys) gets a
+second row:
+
+* staleness: the share of the train batch's samples at each staleness 0..k, stacked per step (the
+  histogram of every step), with ``async/staleness_mean`` and, with partial rollouts,
+  ``async/token_staleness_mean`` (dashed) on a second y axis;
+* async timeline: seconds per step the trainer waited for samples, the engines waited for work
+  or weights, and the push took on the trainer's critical path (``weight_sync/seconds``), with the
+  share of the step in which generation and training overlapped on a second y axis;
+* groups: prompt groups dropped for staleness and carried over to the next step, per step.
 
 A panel whose keys are absent says "no data"; records sharing a step are merged. Drawing uses
 matplotlib's Agg canvas directly (no pyplot, so no GUI backend and no global figure state), and the
@@ -123,6 +135,86 @@ def _draw_length(ax, rows) -> None:
         _no_data(ax)
 
 
+_STALENESS_FRAC = "async/staleness_frac_"
+_ASYNC_TIMES = (
+    ("async/trainer_wait_s", "trainer waits for samples"),
+    ("async/engine_wait_s", "engines wait for work / weights"),
+    ("weight_sync/seconds", "push (trainer's critical path)"),
+)
+_GROUPS = (("train/num_groups_stale_dropped", "dropped for staleness"), ("train/num_groups_carried", "carried over"))
+
+
+def _is_async(rows: dict[int, dict[str, Any]]) -> bool:
+    return any(key.startswith(_STALENESS_FRAC) for row in rows.values() for key in row)
+
+
+def _twin_lines(ax, rows, series, ylabel: str, color: str = "k") -> list:
+    """Lines of `series` ((key, style, label), ...) on a second y axis of `ax`; their handles."""
+    drawn = [(key, style, label) for key, style, label in series if _has_finite(_series(rows, key)[1])]
+    if not drawn:
+        return []
+    twin = ax.twinx()
+    handles = []
+    for key, style, label in drawn:
+        steps, values = _series(rows, key)
+        handles += twin.plot(steps, values, style, color=color, marker="." if len(steps) < 50 else None, label=label)
+    twin.set_ylabel(ylabel)
+    return handles
+
+
+def _legend(ax, handles) -> None:
+    if handles:
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="best", fontsize=8)
+    else:
+        _no_data(ax)
+
+
+def _draw_staleness(ax, rows) -> None:
+    ax.set_title("staleness (share of samples per step)")
+    levels = sorted({int(key[len(_STALENESS_FRAC) :]) for row in rows.values() for key in row if key.startswith(_STALENESS_FRAC)})
+    handles, bottom = [], {}
+    for level in levels:
+        steps, values = _series(rows, f"{_STALENESS_FRAC}{level}")
+        values = [v if math.isfinite(v) else 0.0 for v in values]
+        base = [bottom.get(step, 0.0) for step in steps]
+        handles.append(ax.bar(steps, values, bottom=base, width=0.8, color=f"C{level}", alpha=0.5, label=f"{level} behind"))
+        for step, value in zip(steps, values):
+            bottom[step] = bottom.get(step, 0.0) + value
+    if handles:
+        ax.set_ylim(0.0, 1.05)
+        ax.set_ylabel("share of samples")
+    handles += _twin_lines(
+        ax, rows, (("async/staleness_mean", "-", "mean (oldest token)"), ("async/token_staleness_mean", "--", "mean per token")),
+        "versions behind",
+    )  # fmt: skip
+    _legend(ax, handles)
+
+
+def _draw_async_timeline(ax, rows) -> None:
+    ax.set_title("async timeline")
+    handles = []
+    for index, (key, label) in enumerate(_ASYNC_TIMES):
+        steps, values = _series(rows, key)
+        if _has_finite(values):
+            handles += ax.plot(steps, values, color=f"C{index}", marker="." if len(steps) < 50 else None, label=label)
+    if handles:
+        ax.set_ylabel("seconds per step")
+    handles += _twin_lines(ax, rows, (("async/overlap_frac", ":", "generation-training overlap"),), "share of the step", color="C3")
+    _legend(ax, handles)
+
+
+def _draw_groups(ax, rows) -> None:
+    ax.set_title("prompt groups")
+    handles = []
+    for index, (key, label) in enumerate(_GROUPS):
+        steps, values = _series(rows, key)
+        if _has_finite(values):
+            handles += ax.plot(steps, values, color=f"C{index + 3}", marker="o" if index == 0 else ".", label=label)
+    if handles:
+        ax.set_ylabel("groups per step")
+    _legend(ax, handles)
+
+
 def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
@@ -133,10 +225,11 @@ def _require_matplotlib() -> None:
 
 
 def metrics_figure(records: Sequence[dict[str, Any]], *, title: str = ""):
-    """The three-panel matplotlib ``Figure`` (Agg canvas) of ``records`` as :func:`read_metrics` returns them.
+    """The matplotlib ``Figure`` (Agg canvas) of ``records`` as :func:`read_metrics` returns them:
+    three panels, and three more below for an asynchronous run (module doc).
 
-    Axes order: reward, validation accuracy, response length (its clip-ratio twin axis is the
-    figure's fourth axes when drawn).
+    Axes order: reward, validation accuracy, response length, then (asynchronous runs) staleness,
+    async timeline, prompt groups; the twin axes drawn (clip ratio, ...) follow them.
     """
     _require_matplotlib()  # matplotlib is optional: imported only to draw
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -144,10 +237,13 @@ def metrics_figure(records: Sequence[dict[str, Any]], *, title: str = ""):
     from matplotlib.ticker import MaxNLocator
 
     rows = _merge_by_step(list(records))
-    figure = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    panels = [_draw_reward, _draw_validation, _draw_length]
+    if _is_async(rows):
+        panels += [_draw_staleness, _draw_async_timeline, _draw_groups]
+    figure = Figure(figsize=(15, 4.2 * (len(panels) // 3)), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(1, 3)
-    for ax, draw in zip(axes, (_draw_reward, _draw_validation, _draw_length)):
+    axes = figure.subplots(len(panels) // 3, 3).reshape(-1)
+    for ax, draw in zip(axes, panels):
         draw(ax, rows)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -116,3 +116,41 @@ def test_python_dash_m_entry_point(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     _png_size(tmp_path / "cli.png")
+
+
+def _write_async_run(run_dir: Path, steps: int = 6) -> Path:
+    with MetricsLogger(run_dir, ["jsonl"]) as logger:
+        for step in range(1, steps + 1):
+            stale = 0.0 if step == 1 else 0.75
+            logger.log(
+                {
+                    "critic/score/mean": step / 20,
+                    "async/staleness_frac_0": 1.0 - stale, "async/staleness_frac_1": stale,
+                    "async/staleness_mean": stale, "async/token_staleness_mean": stale / 3, "async/staleness_max": float(step > 1),
+                    "async/trainer_wait_s": 2.0 / step, "async/engine_wait_s": 0.5, "weight_sync/seconds": 0.1,
+                    "async/overlap_frac": 0.4, "train/num_groups_stale_dropped": float(step % 2), "train/num_groups_carried": 2.0,
+                },
+                step,
+            )  # fmt: skip
+    return run_dir / "metrics.jsonl"
+
+
+def test_an_asynchronous_run_gets_a_second_row(tmp_path):
+    figure = metrics_figure(read_metrics(_write_async_run(tmp_path)))
+    panels = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+    assert list(panels) == ["reward", "validation accuracy", "response length",
+                            "staleness (share of samples per step)", "async timeline", "prompt groups"]  # fmt: skip
+    staleness = panels["staleness (share of samples per step)"]
+    bars = {container.get_label(): [patch.get_height() for patch in container] for container in staleness.containers}
+    assert bars == {"0 behind": [1.0] + [0.25] * 5, "1 behind": [0.0] + [0.75] * 5}
+    bottoms = [patch.get_y() for patch in staleness.containers[1]]
+    assert bottoms == [1.0] + [0.25] * 5  # stacked: every step's histogram sums to 1
+    twins = {label: values for ax in figure.axes for label, values in _lines(ax).items()}
+    assert twins["mean per token"][1] == pytest.approx([0.0] + [0.25] * 5)
+    assert twins["generation-training overlap"][1] == [0.4] * 6
+    assert _lines(panels["async timeline"])["trainer waits for samples"][1] == pytest.approx([2.0 / s for s in range(1, 7)])
+    assert _lines(panels["prompt groups"])["dropped for staleness"][1] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "async.png")
+    assert _png_size(out) == (1500, 840)
+    # A synchronous run keeps its one row.
+    assert _png_size(plot_metrics(_write_run(tmp_path / "sync"), tmp_path / "sync.png")) == (1500, 420)
