@@ -1,10 +1,13 @@
 """`rollout.placement=separate` with `trainer.max_staleness=0` is the synchronous loop (issue 27).
 
-The same run, colocated (TP=2, 2 processes, the leader's embedded engine) and separate (a TP=2
-trainer plus 1 rollout rank holding the embedded engine, 3 processes): the engine gets the same
-share of the prompts with the same seed and the same weights (pushed over the bridge as full
-tensors), so every deterministic metric of every step, validation included, must be equal. The
-separate run adds only its `async/*` metrics (staleness 0 throughout).
+The same run, colocated (2 processes, the leaders' embedded engines) and separate (the same
+trainer plus as many rollout ranks as the colocated run has engines, each holding an embedded
+engine): every engine gets the same share of the prompts with the same seed and the same weights
+(pushed over the bridge as full tensors), so every deterministic metric of every step, validation
+included, and the final weights must be equal. The separate run adds only its `async/*` metrics
+(staleness 0 throughout). Two trainer layouts: TP=2 (one engine; 3 processes) and DP=2 (two
+engines, one per replica colocated; 4 processes: the first replica exports, the head broadcasts to
+both engines, every trainer rank gets every sample).
 """
 
 from __future__ import annotations
@@ -19,17 +22,26 @@ STEPS = 3
 VALIDATION = ["trainer.val_before_train=true", "trainer.eval_every=2"]
 
 
+# trainer layout -> (its overrides, the colocated run's engines: one per data-parallel replica)
+LAYOUTS = {"tp2": (["parallel.tp=2"], 1), "dp2": (["parallel.tp=1"], 2)}
+TRAINER_RANKS = 2
+
+
 def _run(workspace, output, nproc: int, *extra: str) -> tuple[dict[int, dict], dict]:
     """(metrics per step, the final checkpoint's model, optimizer and scheduler state)."""
-    args = ["train", "--config", str(CONFIG), *FAST, *VALIDATION, "parallel.tp=2", f"trainer.total_steps={STEPS}"]
+    args = ["train", "--config", str(CONFIG), *FAST, *VALIDATION, f"trainer.total_steps={STEPS}"]
     assert_ok(run_cli(*args, *workspace_overrides(workspace, output), *extra, nproc=nproc, timeout=600))
     return read_metrics(output), checkpoint_state(output / "checkpoints" / f"step_{STEPS:08d}")
 
 
-@pytest.fixture(scope="module")
-def finished(demo_workspace, tmp_path_factory):
-    colocated = _run(demo_workspace, tmp_path_factory.mktemp("colocated"), 2)
-    separate = _run(demo_workspace, tmp_path_factory.mktemp("separate"), 3, "rollout.placement=separate", "rollout.num_gpus=1")
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def finished(request, demo_workspace, tmp_path_factory):
+    layout, engines = LAYOUTS[request.param]
+    colocated = _run(demo_workspace, tmp_path_factory.mktemp(f"colocated-{request.param}"), TRAINER_RANKS, *layout)
+    separate = _run(
+        demo_workspace, tmp_path_factory.mktemp(f"separate-{request.param}"), TRAINER_RANKS + engines, *layout,
+        "rollout.placement=separate", f"rollout.num_gpus={engines}",
+    )  # fmt: skip
     return colocated, separate
 
 
