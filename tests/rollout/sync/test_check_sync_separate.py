@@ -29,3 +29,15 @@ def test_separate_placement_checks_every_engine_on_its_own_ranks(tiny_model_dirs
     assert "50 of 50 tensors equal" in out.stdout and "PASS" in out.stdout
     diffs = [float(m) for m in re.findall(r"max \|diff\| (\S+)   k3", out.stdout)]
     assert len(diffs) == 2 and max(diffs) < 1e-4, out.stdout[-2000:]  # one line per engine
+
+
+def test_separate_placement_with_one_vllm_engine_of_tp_2_on_two_ranks(require_vllm, demo_workspace):
+    """--rollout-ranks 2 --rollout-tp 2: one vLLM engine of TP=2 whose owner (launch rank 1) starts
+    both TP workers while the other rollout rank lends its GPU and waits (on a cluster, the worker's
+    GPU) until the owner is done; each TP worker loads its slices of the full tensors pushed to the
+    owner. The demo's model: vLLM's CPU attention has no kernel for the tiny test models' head size."""
+    out = run_check_sync("--hf-dir", str(demo_workspace["model"]), "--engine", "vllm", "--placement", "separate",
+                         "--rollout-ranks", "2", "--rollout-tp", "2", timeout=400)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "1 engine(s) of TP=2 on 2 rank(s) of their own (separate, from launch rank 1)" in out.stdout
+    assert "51 of 51 tensors equal" in out.stdout and "PASS" in out.stdout
