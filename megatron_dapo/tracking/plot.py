@@ -190,29 +190,28 @@ def _draw_staleness(ax, rows) -> None:
     _legend(ax, handles)
 
 
-def _draw_async_timeline(ax, rows) -> None:
-    ax.set_title("async timeline")
+def _per_step_lines(ax, rows, series: Sequence[tuple[str, str]], ylabel: str, first_color: int = 0) -> list:
+    """One line per (key, label) of `series` that has values, colours from C<first_color> on; the handles."""
     handles = []
-    for index, (key, label) in enumerate(_ASYNC_TIMES):
+    for index, (key, label) in enumerate(series):
         steps, values = _series(rows, key)
         if _has_finite(values):
-            handles += ax.plot(steps, values, color=f"C{index}", marker="." if len(steps) < 50 else None, label=label)
+            handles += ax.plot(steps, values, color=f"C{first_color + index}", marker="." if len(steps) < 50 else None, label=label)
     if handles:
-        ax.set_ylabel("seconds per step")
+        ax.set_ylabel(ylabel)
+    return handles
+
+
+def _draw_async_timeline(ax, rows) -> None:
+    ax.set_title("async timeline")
+    handles = _per_step_lines(ax, rows, _ASYNC_TIMES, "seconds per step")
     handles += _twin_lines(ax, rows, (("async/overlap_frac", ":", "generation-training overlap"),), "share of the step", color="C3")
     _legend(ax, handles)
 
 
 def _draw_groups(ax, rows) -> None:
     ax.set_title("prompt groups")
-    handles = []
-    for index, (key, label) in enumerate(_GROUPS):
-        steps, values = _series(rows, key)
-        if _has_finite(values):
-            handles += ax.plot(steps, values, color=f"C{index + 3}", marker="o" if index == 0 else ".", label=label)
-    if handles:
-        ax.set_ylabel("groups per step")
-    _legend(ax, handles)
+    _legend(ax, _per_step_lines(ax, rows, _GROUPS, "groups per step", first_color=3))
 
 
 def _require_matplotlib() -> None:

@@ -79,3 +79,18 @@ class BrokenPushes(WeightPushes):
             return 1
         load(self._weights[: len(self._weights) // 2])
         raise ConnectionError("the trainer went away in the middle of a push")
+
+
+class TwoCheckpoints:
+    """An engine under test, two checkpoints A and B of one architecture (their tensors and HF
+    references) and which one the engine holds: a push brings it the other's weights."""
+
+    def __init__(self, engine, weights: dict, reference: dict) -> None:
+        self.engine, self.weights, self.reference = engine, weights, reference
+        self.holds = "A"
+
+    def other(self) -> str:
+        return "B" if self.holds == "A" else "A"
+
+    def push_of(self, name: str) -> list[tuple[str, torch.Tensor]]:
+        return sorted(self.weights[name].items())

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import SamplingParams
-from tests.support.pushes import BrokenPushes, ScriptedPushes
+from tests.support.pushes import BrokenPushes, ScriptedPushes, TwoCheckpoints
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 LONG = SamplingParams(temperature=0, max_new_tokens=96)
@@ -35,24 +35,16 @@ PUSH_AT = 0.4  # of a plain run's duration
 pytestmark = pytest.mark.usefixtures("require_sglang")
 
 
-class Models:
-    """The engine, the checkpoints A and B, their HF references, and which one the engine holds."""
+class Models(TwoCheckpoints):
+    """TwoCheckpoints with the references' log-probs."""
 
     def __init__(self, engine, a: Path, b: Path) -> None:
         from safetensors.torch import load_file
 
         from tests.support.tiny_models import load_hf_model
 
-        self.engine = engine
-        self.weights = {"A": load_file(str(a / "model.safetensors")), "B": load_file(str(b / "model.safetensors"))}
-        self.reference = {"A": load_hf_model(a), "B": load_hf_model(b)}
-        self.holds = "A"
-
-    def other(self) -> str:
-        return "B" if self.holds == "A" else "A"
-
-    def push_of(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        return sorted(self.weights[name].items())
+        weights = {"A": load_file(str(a / "model.safetensors")), "B": load_file(str(b / "model.safetensors"))}
+        super().__init__(engine, weights, {"A": load_hf_model(a), "B": load_hf_model(b)})
 
     def log_probs(self, name: str, prompt: list[int], response: list[int]) -> torch.Tensor:
         with torch.no_grad():

@@ -19,7 +19,7 @@ import torch
 
 from megatron_dapo.rollout.base import SamplingParams
 from tests.rollout.engines.test_vllm_engine import _checkpoint_tensors, _load_reference, _save_qwen2, reference_log_probs
-from tests.support.pushes import BrokenPushes, ScriptedPushes
+from tests.support.pushes import BrokenPushes, ScriptedPushes, TwoCheckpoints
 from tests.support.vllm_engines import start_test_engine
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68], [300, 12], [90, 91, 92, 93]]
@@ -30,20 +30,9 @@ TOLERANCE = 1e-4  # float32 engine vs float32 HF reference
 STOP_TOKENS = tuple(range(100, 148))
 
 
-class Models:
-    """The engine, the checkpoints A and B, their HF references, and which one the engine holds."""
-
+class Models(TwoCheckpoints):
     def __init__(self, engine, a: Path, b: Path) -> None:
-        self.engine = engine
-        self.weights = {"A": _checkpoint_tensors(a), "B": _checkpoint_tensors(b)}
-        self.reference = {"A": _load_reference(a), "B": _load_reference(b)}
-        self.holds = "A"
-
-    def other(self) -> str:
-        return "B" if self.holds == "A" else "A"
-
-    def push_of(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        return sorted(self.weights[name].items())
+        super().__init__(engine, {"A": _checkpoint_tensors(a), "B": _checkpoint_tensors(b)}, {"A": _load_reference(a), "B": _load_reference(b)})
 
 
 @pytest.fixture(scope="module")
