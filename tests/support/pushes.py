@@ -94,3 +94,20 @@ class TwoCheckpoints:
 
     def push_of(self, name: str) -> list[tuple[str, torch.Tensor]]:
         return sorted(self.weights[name].items())
+
+
+def errors_around_the_push(out, prompts, log_probs_of, old: str, new: str) -> tuple[float, float, list[float]]:
+    """(largest |engine - reference| of the tokens before each response's push, of those after it,
+    and per response a push landed in how far the two references lie apart after it): the reference
+    is `log_probs_of(checkpoint, prompt, response)`, `old`'s before the push and `new`'s after."""
+    before = after = 0.0
+    apart = []
+    for index, response, log_probs, spans in zip(out.prompt_index, out.response_ids, out.log_probs, out.weight_versions):
+        cut = spans[1][0] if len(spans) == 2 else len(response)
+        with_old = log_probs_of(old, prompts[index], response)
+        before = max(before, (log_probs[:cut] - with_old[:cut]).abs().max().item())
+        if cut < len(response):
+            with_new = log_probs_of(new, prompts[index], response)
+            after = max(after, (log_probs[cut:] - with_new[cut:]).abs().max().item())
+            apart.append((with_new[cut:] - with_old[cut:]).abs().max().item())
+    return before, after, apart

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.base import SamplingParams
-from tests.support.pushes import BrokenPushes, ScriptedPushes, TwoCheckpoints
+from tests.support.pushes import BrokenPushes, ScriptedPushes, TwoCheckpoints, errors_around_the_push
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68]]
 LONG = SamplingParams(temperature=0, max_new_tokens=96)
@@ -137,16 +137,7 @@ def test_a_push_between_decode_steps_continues_the_rows_with_the_new_weights(mod
         splits.append(split)
 
     # Log-probs: the old weights' before the push, the new weights' after it, token by token.
-    worst_before = worst_after = 0.0
-    differs = []
-    for index, response, log_probs, spans in zip(out.prompt_index, out.response_ids, out.log_probs, out.weight_versions):
-        cut = spans[1][0] if len(spans) == 2 else len(response)
-        with_old = models.log_probs(old, PROMPTS[index], response)
-        worst_before = max(worst_before, (log_probs[:cut] - with_old[:cut]).abs().max().item())
-        if cut < len(response):
-            with_new = models.log_probs(new, PROMPTS[index], response)
-            worst_after = max(worst_after, (log_probs[cut:] - with_new[cut:]).abs().max().item())
-            differs.append((with_new[cut:] - with_old[cut:]).abs().max().item())
+    worst_before, worst_after, differs = errors_around_the_push(out, PROMPTS, models.log_probs, old, new)
     print(
         f"\n[sglang] push landed at tokens {sorted(set(splits))} of {len(splits)} rows (1 done before) in {took:.2f}s "
         f"(plain run {took_plain:.2f}s); |SGLang - HF| before {worst_before:.1e}, after {worst_after:.1e}"

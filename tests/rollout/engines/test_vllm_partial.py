@@ -19,7 +19,7 @@ import torch
 
 from megatron_dapo.rollout.base import SamplingParams
 from tests.rollout.engines.test_vllm_engine import _checkpoint_tensors, _load_reference, _save_qwen2, reference_log_probs
-from tests.support.pushes import BrokenPushes, ScriptedPushes, TwoCheckpoints
+from tests.support.pushes import BrokenPushes, ScriptedPushes, TwoCheckpoints, errors_around_the_push
 from tests.support.vllm_engines import start_test_engine
 
 PROMPTS = [[17, 3, 250, 41, 99, 8, 120], [5], [200, 201, 202, 13, 77, 31, 64, 2, 9], [66, 67, 68], [300, 12], [90, 91, 92, 93]]
@@ -104,17 +104,10 @@ def test_a_push_between_decode_steps_continues_the_responses_with_the_new_weight
     assert per_version[4] == sum(done_before) + sum(split)
 
     # Log-probs: the old weights' before the push, the new weights' after it, token by token.
-    worst_before = worst_after = 0.0
-    differs = []
-    for index, response, log_probs, spans in zip(out.prompt_index, out.response_ids, out.log_probs, out.weight_versions):
-        prompt = PROMPTS[index]
-        cut = split_at_push(spans) if len(spans) == 2 else len(response)
-        with_old = reference_log_probs(models.reference[old], prompt, response)
-        worst_before = max(worst_before, (log_probs[:cut] - with_old[:cut]).abs().max().item())
-        if cut < len(response):
-            with_new = reference_log_probs(models.reference[new], prompt, response)
-            worst_after = max(worst_after, (log_probs[cut:] - with_new[cut:]).abs().max().item())
-            differs.append((with_new[cut:] - with_old[cut:]).abs().max().item())
+    def log_probs_of(name, prompt, response):
+        return reference_log_probs(models.reference[name], prompt, response)
+
+    worst_before, worst_after, differs = errors_around_the_push(out, PROMPTS, log_probs_of, old, new)
     print(
         f"\n[vllm] push landed at tokens {sorted(set(split))} of {len(split)} responses ({len(done_before)} done before) in "
         f"{took:.2f}s; |vLLM - HF| before {worst_before:.1e}, after {worst_after:.1e}"
