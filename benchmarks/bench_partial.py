@@ -92,16 +92,20 @@ def run_training(workspace: dict, output: Path, arm: str, steps: int, decode_sle
     return sorted((r for r in records if r.get("step", 0) >= 1), key=lambda r: r["step"])
 
 
-def later_mean(records: list[dict], key: str) -> float:
-    """The mean of `key` over steps 2..N (0 where a step has none)."""
-    return statistics.fmean(r.get(key, 0.0) for r in records if r["step"] >= 2)
+def later_mean(records: list[dict], key: str, default: Optional[str] = None) -> float:
+    """The mean of `key` over steps 2..N; where the run logs none, of `default` (the per-sample
+    staleness stands for the per-token one when every sample has one version)."""
+    later = [r for r in records if r["step"] >= 2]
+    if not any(key in r for r in later) and default is not None:
+        key = default
+    return statistics.fmean(r.get(key, 0.0) for r in later)
 
 
-FIGURES = {
-    "push_s": "weight_sync/seconds",
-    "staleness": "async/staleness_mean",
-    "token_staleness": "async/token_staleness_mean",
-    "partial_frac": "async/partial_frac",
+FIGURES = {  # figure -> (metric, what stands for it in a run that logs none)
+    "push_s": ("weight_sync/seconds", None),
+    "staleness": ("async/staleness_mean", None),
+    "token_staleness": ("async/token_staleness_mean", "async/staleness_mean"),
+    "partial_frac": ("async/partial_frac", None),
 }
 
 
@@ -113,8 +117,8 @@ def bench_setup(name: str, workspace: dict, tmp: Path, args, decode_sleep_s: flo
         for arm in order:
             records = run_training(workspace, tmp / f"{name}-{arm}-{round_index}", arm, args.steps, decode_sleep_s, args.timeout)
             walls[arm].append(bench_async.steps_wall(records))
-            for figure, key in FIGURES.items():
-                figures[arm][figure].append(later_mean(records, key))
+            for figure, (key, default) in FIGURES.items():
+                figures[arm][figure].append(later_mean(records, key, default))
             print(f"  [{name}] round {round_index + 1}/{args.rounds} {arm:7}: steps 2..{args.steps} {walls[arm][-1]:.2f} s, "
                   f"push {figures[arm]['push_s'][-1]:.3f} s/step", flush=True)  # fmt: skip
     result = {
