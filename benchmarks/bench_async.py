@@ -98,22 +98,30 @@ def rank_main(argv: list[str]) -> int:
 
 def run_training(workspace: dict, output: Path, arm: str, steps: int, sleep_s: float, timeout: float) -> list[dict]:
     """One run of `arm`; its metrics.jsonl records, one per step."""
+    return run_arm(workspace, output, ARMS[arm], steps, {SLEEP_ENV: str(sleep_s)}, timeout, Path(__file__), arm)
+
+
+def run_arm(
+    workspace: dict, output: Path, overrides: list[str], steps: int, env: dict, timeout: float, entry: Path, name: str
+) -> list[dict]:
+    """One 2-process run (`RUN` + `overrides`) with `entry --rank` as each rank's program and `env`
+    beside the usual; its metrics.jsonl records of steps 1..N (bench_partial.py runs its arms here too)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     overrides = [
-        *RUN, *ARMS[arm], f"trainer.total_steps={steps}", f"model.hf_dir={workspace['model']}",
+        *RUN, *overrides, f"trainer.total_steps={steps}", f"model.hf_dir={workspace['model']}",
         f"data.train_files=[{workspace['train']}]", f"data.val_files=[{workspace['val']}]", f"trainer.output_dir={output}",
     ]  # fmt: skip
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(Path(__file__).resolve()), "--rank", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+        "--master_port", str(port), str(entry.resolve()), "--rank", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
         *overrides,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), SLEEP_ENV: str(sleep_s)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{arm} run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{name} run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return sorted((r for r in records if r.get("step", 0) >= 1), key=lambda r: r["step"])
 

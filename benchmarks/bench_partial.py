@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -72,24 +70,7 @@ def rank_main(argv: list[str]) -> int:
 
 def run_training(workspace: dict, output: Path, arm: str, steps: int, decode_sleep_s: float, timeout: float) -> list[dict]:
     """One run of `arm`; its metrics.jsonl records of steps 1..N."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    overrides = [
-        *bench_async.RUN, *ARMS[arm], f"trainer.total_steps={steps}", f"model.hf_dir={workspace['model']}",
-        f"data.train_files=[{workspace['train']}]", f"data.val_files=[{workspace['val']}]", f"trainer.output_dir={output}",
-    ]  # fmt: skip
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(Path(__file__).resolve()), "--rank", "train", "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
-        *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), DECODE_SLEEP_ENV: str(decode_sleep_s)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{arm} run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted((r for r in records if r.get("step", 0) >= 1), key=lambda r: r["step"])
+    return bench_async.run_arm(workspace, output, ARMS[arm], steps, {DECODE_SLEEP_ENV: str(decode_sleep_s)}, timeout, Path(__file__), arm)
 
 
 def later_mean(records: list[dict], key: str, default: Optional[str] = None) -> float:
