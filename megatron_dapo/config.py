@@ -244,8 +244,6 @@ class RolloutConfig:
 
 FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
 """Values `algorithm.filter_groups.metric` may name (see `trainer.samples.filter_metric`)."""
-PARTIAL_ROLLOUT_ENGINES = ("embedded", "vllm", "sglang")
-"""Engines that take weight pushes between decode steps (`RolloutEngine.takes_pushes_while_generating`)."""
 
 
 @dataclass
@@ -821,11 +819,6 @@ def validate(cfg: Config) -> None:
             "'rollout.partial_rollouts'=true pushes weights into engines while they generate, which only happens "
             "with asynchronous training: set trainer.max_staleness >= 1 (with rollout.placement=separate), or "
             "rollout.partial_rollouts=false",
-        )
-        _require(
-            r.engine in PARTIAL_ROLLOUT_ENGINES,
-            f"'rollout.partial_rollouts'=true needs an engine that takes weights between decode steps "
-            f"({', '.join(PARTIAL_ROLLOUT_ENGINES)}); rollout.engine={r.engine} does not",
         )
     _require(
         t.gen_batch_size >= t.train_batch_size,

@@ -115,6 +115,12 @@ class RemoteRollout:
         return self.next_version - 1
 
     @property
+    def _to_engines(self) -> str:
+        """The bridge channel of the head's messages to the owners: with partial rollouts requests and
+        pushes travel in one order on the channel an owner's thread listens to (`bridge.Listener`)."""
+        return "listened" if self.partial_rollouts else "work"
+
+    @property
     def inflight(self) -> int:
         """Generation batches handed to the engines and not collected yet."""
         return len(self._inflight)
@@ -142,9 +148,8 @@ class RemoteRollout:
             raise ValueError(f"{len(requests)} shares for {self.data_size} engines")
         if self.bridge is not None:
             self._sending = [pending for pending in self._sending if not pending.done()]
-            channel = "listened" if self.partial_rollouts else "work"  # one order for requests and pushes
             for engine, request in enumerate(requests):
-                self._sending.append(self.bridge.send(request, engine + 1, wait=False, channel=channel))
+                self._sending.append(self.bridge.send(request, engine + 1, wait=False, channel=self._to_engines))
         self._inflight.append(InFlight(len(requests), self.pushed_version))
 
     def collect(self, routing_store: Optional[Any] = None) -> Samples:
@@ -200,7 +205,7 @@ class RemoteRollout:
             self.next_version += 1
             return SyncStats(bytes=0, seconds=0.0, load_seconds=0.0, num_tensors=0, num_buckets=0, peak_bucket_bytes=0)
         if self._transport is None:
-            self._transport = BridgeBroadcast(self.bridge, announce_on="listened" if self.partial_rollouts else "work")
+            self._transport = BridgeBroadcast(self.bridge, announce_on=self._to_engines)
         self._transport.version = self.next_version
         stats = sync_weights(models, hf_config, self._transport, bucket_mb=bucket_mb)
         self.next_version += 1
@@ -243,7 +248,7 @@ class RemoteRollout:
                     for engine in range(batch.shares):
                         bridge.recv(engine + 1)
             for owner in range(1, bridge.size):
-                bridge.send(StopServing(), owner, channel="listened" if self.partial_rollouts else "work")
+                bridge.send(StopServing(), owner, channel=self._to_engines)
             for pending in self._sending:
                 pending.wait()
 
