@@ -807,18 +807,18 @@ def validate(cfg: Config) -> None:
             "algorithm.tis_cap (token-level truncated IS, e.g. 2.0) and/or algorithm.mis.enable=true (sequence-level "
             "masked IS); the engine's log-probs are the behaviour policy (docs/ASYNC.md, \"Off-policy correction\")",
         )
-        _require(
-            cfg.actor.router_replay != "r3" and not r.return_routed_experts,
-            f"'trainer.max_staleness'={t.max_staleness} does not keep the engine's routed experts of the groups it carries "
-            "over or saves with a checkpoint yet: use actor.router_replay=off or r2 and rollout.return_routed_experts=false "
-            "with asynchronous training, or trainer.max_staleness=0 (docs/ASYNC.md)",
-        )
     if r.partial_rollouts:
         _require(
             t.max_staleness > 0,
             "'rollout.partial_rollouts'=true pushes weights into engines while they generate, which only happens "
             "with asynchronous training: set trainer.max_staleness >= 1 (with rollout.placement=separate), or "
             "rollout.partial_rollouts=false",
+        )
+        _require(
+            cfg.actor.router_replay != "r3" and not r.return_routed_experts,
+            "'rollout.partial_rollouts'=true pushes weights into generations in flight, and no engine records the routed "
+            "experts of a response across a push: use actor.router_replay=off or r2 and rollout.return_routed_experts=false "
+            "with partial rollouts, or rollout.partial_rollouts=false (docs/ASYNC.md)",
         )
     _require(
         t.gen_batch_size >= t.train_batch_size,
@@ -924,8 +924,10 @@ def validate_model_shape(cfg: Config, hf_config: dict) -> None:
 def engine_returns_routing(cfg: Config, is_moe: bool) -> bool:
     """Whether the rollout engine is asked for each token's routed experts: mixture-of-experts models
     with `actor.router_replay` r3 or `rollout.return_routed_experts`, and always with the embedded
-    engine (it records them from its own forward at no cost worth counting)."""
-    wanted = cfg.actor.router_replay == "r3" or cfg.rollout.return_routed_experts or cfg.rollout.engine == "embedded"
+    engine (it records them from its own forward at no cost worth counting) but with partial rollouts
+    (no engine records them across a weight push)."""
+    embedded = cfg.rollout.engine == "embedded" and not cfg.rollout.partial_rollouts
+    wanted = cfg.actor.router_replay == "r3" or cfg.rollout.return_routed_experts or embedded
     return is_moe and wanted
 
 

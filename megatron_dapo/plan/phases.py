@@ -317,7 +317,7 @@ def plan_memory(
     cp_needed = _smallest_context_parallel(binding.max_tokens, longest, layout.dp * layout.cp)
     notes = _notes(cfg, model, engine, rollout, longest, longest_per_micro_batch, cp_needed)
     if layout.separate:
-        notes += _separate_notes(cfg, layout, cluster)
+        notes += _separate_notes(cfg, layout, cluster, model, longest)
     return MemoryPlan(
         model_name=model_name,
         architecture=model.architecture,
@@ -598,9 +598,21 @@ def _separate_engine_gpu(cfg: Config, engine: _EnginePool, cluster: ClusterShape
     )
 
 
-def _separate_notes(cfg: Config, layout: ParallelLayout, cluster: ClusterShape) -> list[str]:
+def _separate_notes(cfg: Config, layout: ParallelLayout, cluster: ClusterShape, model: HFModelConfig, longest: int) -> list[str]:
     """What the split of the cluster means for the separate placement."""
     notes = []
+    if engine_returns_routing(cfg, model.is_moe):
+        # The head receives every engine's samples, so their routing stays in its store until trained
+        # (`trainer/routing_exchange.py`); asynchronous training holds the batches generated ahead too.
+        t = cfg.trainer
+        batch = routing_host_bytes(model, t.gen_batch_size * cfg.rollout.n, longest)
+        held = (1 + t.max_staleness) * batch
+        notes.append(
+            f"the trainer's head (launch rank 0) keeps the engines' MoE routing of every sample not yet trained in host "
+            f"memory: {batch / GIB:.1f} GiB a generation batch at full length, up to ~{held / GIB:.1f} GiB with "
+            f"trainer.max_staleness={t.max_staleness} (batches generated ahead and carried groups); "
+            "actor.router_replay=r2 with rollout.return_routed_experts=false keeps none"
+        )
     trainer, engines = layout.world_size, layout.rollout_ranks
     per_node = cluster.gpus_per_node
     if engines % per_node or trainer % per_node:

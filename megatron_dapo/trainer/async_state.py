@@ -8,6 +8,12 @@ with the checkpoint (`ASYNC_STATE_FILE`, written by the head, checksummed with t
 back on resume, with the counters that decide what is handed out next. The resumed run then takes
 the same decisions and trains on the same samples as the uninterrupted one.
 
+MoE routing replay (`actor.router_replay=r3`): the results in flight hold their routing; the
+carried groups hold only references into the head's `RoutingStore` (it contributed every sample of
+the separate placement), so the head saves the routing those references name and puts it back
+under the same keys. A resumed run must return the engine's routing exactly when the saved one did
+(a named error otherwise: samples with and without it cannot share a train batch).
+
 Saving costs no wait: a checkpoint follows the step's weight push, which the engines take only after
 every request before it (they serve in order), so by then every result in flight has been sent.
 The file holds tensors and plain values only and loads with ``weights_only=True``.
@@ -21,6 +27,10 @@ from typing import Any, Optional
 import torch
 
 from megatron_dapo.trainer.remote_rollout import InFlight, ShareResult
+from megatron_dapo.trainer.routing_exchange import RoutingStore
+
+HEAD_RANK = 0
+"""The trainer's head (launch rank 0): the contributor of every sample of the separate placement."""
 
 __all__ = ["ASYNC_STATE_FILE", "capture", "load", "restore", "save"]
 
@@ -28,10 +38,13 @@ ASYNC_STATE_FILE = "async_state.pt"
 _RESULT_FIELDS = ("version", "started", "ended", "waited_s")
 
 
-def capture(rollout: Any, buffer: Any, kept_per_batch: Optional[float], gen_indices: dict[int, int]) -> dict:
+def capture(
+    rollout: Any, buffer: Any, kept_per_batch: Optional[float], gen_indices: dict[int, int], routing_store: Optional[RoutingStore] = None
+) -> dict:
     """The state to save (every trainer rank calls it; only the head's holds the results, after
-    reading every one still on its way)."""
+    reading every one still on its way, and the carried groups' routing)."""
     rollout.receive_all()
+    head = rollout.bridge is not None
     return {
         "inflight": [
             {
@@ -42,9 +55,21 @@ def capture(rollout: Any, buffer: Any, kept_per_batch: Optional[float], gen_indi
             for batch in rollout.inflight_batches()
         ],
         "carried": buffer.carried_state(),
+        "engine_routing": routing_store is not None,
+        "carried_routing": _carried_routing(buffer, routing_store) if head and routing_store is not None else {},
         "kept_per_batch": kept_per_batch,
         "gen_indices": {int(step): int(n) for step, n in gen_indices.items()},
     }
+
+
+def _carried_routing(buffer: Any, store: RoutingStore) -> dict[int, torch.Tensor]:
+    """{key: routing} of the carried groups, all in the head's store (the head contributed them)."""
+    carried = buffer.carried_state()
+    refs = list(carried["fields"].get("routing_ref") or []) if carried else []
+    strays = sorted({owner for owner, _ in refs if owner != HEAD_RANK})
+    if strays:
+        raise RuntimeError(f"carried groups keep their routing on ranks {strays}, not on the head: it would not be saved")
+    return store.export(HEAD_RANK, refs)
 
 
 def save(state: dict, path: Path) -> None:
@@ -63,9 +88,19 @@ def load(checkpoint_dir: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def restore(state: dict, rollout: Any, buffer: Any, head: bool) -> tuple[Optional[float], dict[int, int]]:
-    """Put the saved work back: batches in flight (their results on the head) and carried groups.
-    Returns (kept_per_batch, gen_indices) for the trainer."""
+def restore(
+    state: dict, rollout: Any, buffer: Any, head: bool, routing_store: Optional[RoutingStore] = None
+) -> tuple[Optional[float], dict[int, int]]:
+    """Put the saved work back: batches in flight (their results on the head) and carried groups
+    (their routing into the head's store). Returns (kept_per_batch, gen_indices) for the trainer."""
+    saved_routing, routing = bool(state.get("engine_routing", False)), routing_store is not None
+    if saved_routing != routing:
+        raise ValueError(
+            f"the checkpoint's asynchronous run {'returned' if saved_routing else 'did not return'} the engine's routing "
+            f"and this one {'does' if routing else 'does not'} (actor.router_replay=r3 or rollout.return_routed_experts=true): "
+            "its samples generated ahead cannot be trained here; resume with the same actor.router_replay and "
+            "rollout.return_routed_experts"
+        )
     batches = []
     for record in state["inflight"]:
         results = None
@@ -76,6 +111,8 @@ def restore(state: dict, rollout: Any, buffer: Any, head: bool) -> tuple[Optiona
         batches.append(InFlight(shares=int(record["shares"]), version=int(record["version"]), results=results))
     rollout.restore_inflight(batches)
     buffer.restore_carried(state["carried"])
+    if head and routing_store is not None:
+        routing_store.adopt(state["carried_routing"])
     return state["kept_per_batch"], {int(k): int(v) for k, v in state["gen_indices"].items()}
 
 

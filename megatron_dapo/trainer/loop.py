@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.actor import split_mini_batches
 from megatron_dapo.actor.offload import ActorOffload
@@ -83,7 +84,7 @@ class DAPOTrainer:
         self._async_restore: Optional[dict] = None  # a resumed asynchronous run's saved state, until the engines start
         # Asynchronous training keeps no routing of the groups it carries over (the config check refuses
         # r3 there): the embedded engine's, asked for by default for the mismatch metrics, is not asked.
-        self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe) and not cfg.trainer.max_staleness
+        self.engine_routing = engine_returns_routing(cfg, runtime.hf_config.is_moe)
         # The engine's routing stays in host memory in its compact type (1 byte an entry up to 128 experts).
         self.routing_dtype = routing_dtype(runtime.hf_config.num_experts) if self.engine_routing else torch.int32
         # ... kept by the rank that generated it until the train batch is chosen, then sent to the one
@@ -297,7 +298,8 @@ class DAPOTrainer:
 
     def _fetch_routing(self, train: Samples) -> dict[int, torch.Tensor]:
         """The engine's routing of the train rows this rank's replica trains on (a world collective
-        over the gather group); the generating ranks' stores are emptied after it."""
+        over the gather group); the generating ranks' stores are emptied after it, but for the groups
+        carried over to the next step (asynchronous training)."""
         layout = self.runtime.ctx.layout
         replica_of_row = [0] * len(train)
         for dp_rank in range(self.dp_size):
@@ -312,7 +314,12 @@ class DAPOTrainer:
                 self.routing_dtype, self.routing_store, group=meeting_group(),
             )  # fmt: skip
         finally:
-            self.routing_store.clear()
+            self.routing_store.retain(dist.get_rank() if dist.is_initialized() else 0, self._carried_routing_refs())
+
+    def _carried_routing_refs(self) -> list:
+        """Where the routing of the groups carried over to the next step lives (none without carry-over)."""
+        carried = self.buffer.carried_state()
+        return list(carried["fields"].get("routing_ref") or []) if carried else []
 
     def _old_log_probs(self, batch) -> dict[str, float]:
         """Set ``batch.old_log_probs`` and, with `actor.router_replay`, the ``routed_experts`` the update
@@ -413,7 +420,7 @@ class DAPOTrainer:
         with moves:  # the checkpoint reads the actor's state
             files = None
             if self.max_staleness:  # the samples generated ahead go with it (`async_state`)
-                state = async_state.capture(self.rollout, self.buffer, self._kept_per_batch, self._gen_indices)
+                state = async_state.capture(self.rollout, self.buffer, self._kept_per_batch, self._gen_indices, self.routing_store)
                 files = {async_state.ASYNC_STATE_FILE: lambda path: async_state.save(state, path)}
             path = save_run_checkpoint(self.checkpoint_root, self.step, self.actor, self.sampler, self.cfg, rank0_files=files)
         self._last_saved_step = self.step
@@ -437,7 +444,9 @@ class DAPOTrainer:
         state = self._async_restore
         if state is None:
             return
-        kept_per_batch, self._gen_indices = async_state.restore(state, self.rollout, self.buffer, head=self.rollout.bridge is not None)
+        kept_per_batch, self._gen_indices = async_state.restore(
+            state, self.rollout, self.buffer, head=self.rollout.bridge is not None, routing_store=self.routing_store
+        )
         if kept_per_batch is not None:
             self._kept_per_batch = kept_per_batch
         self._async_restore = None

@@ -11,7 +11,9 @@ recipe is ~200 GiB of routing per GPU even at one byte an entry (`megatron-dapo 
 2. once the train batch is chosen (dynamic sampling needs every group first), `fetch_routing`
    moves each needed routing from its owner straight to the ranks of its replica, point to point
    over the gloo gather group (host memory, never a GPU); a rank receives exactly its own rows;
-3. the store is emptied: routing of groups dynamic sampling dropped is never sent anywhere.
+3. the store is emptied: routing of groups dynamic sampling dropped is never sent anywhere; an
+   asynchronous run keeps the routing of the groups it carries over to the next step
+   (`RoutingStore.retain`) and saves it with its checkpoint (`trainer.async_state`).
 
 `plan_transfers` is the pure part (who sends which samples to whom), tested on its own; the
 multi-process test runs `fetch_routing` with real gloo groups.
@@ -28,27 +30,56 @@ import torch.distributed as dist
 __all__ = ["RoutingRef", "RoutingStore", "fetch_routing", "plan_transfers"]
 
 RoutingRef = tuple[int, int]
-"""(owner's global rank, index in the owner's `RoutingStore`) of one sample's routing."""
+"""(owner's global rank, key in the owner's `RoutingStore`) of one sample's routing."""
 
 
 @dataclass
 class RoutingStore:
-    """The routing of this rank's own generations, kept until the train batch is chosen."""
+    """The routing of this rank's own generations, kept until the train batch is chosen.
 
-    kept: list[torch.Tensor] = field(default_factory=list)
+    Keys count up over the run and are never reused, so a reference kept across steps (a group
+    carried over by asynchronous training) never points at another sample's routing."""
+
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    _next_key: int = 0
 
     def keep(self, owner: int, routings: Sequence[torch.Tensor]) -> list[RoutingRef]:
         """Hold `routings` (host tensors); returns their references for the shared samples."""
-        start = len(self.kept)
-        self.kept.extend(routing.cpu() for routing in routings)
-        return [(owner, start + i) for i in range(len(routings))]
+        refs = []
+        for routing in routings:
+            self.kept[self._next_key] = routing.cpu()
+            refs.append((owner, self._next_key))
+            self._next_key += 1
+        return refs
 
     def clear(self) -> None:
-        self.kept = []
+        self.kept = {}
+
+    def retain(self, owner: int, refs: Sequence[RoutingRef]) -> None:
+        """Keep only the routing of `refs` owned here (`owner`, this rank): the groups a step carries
+        over; the rest (trained, or dropped by dynamic sampling) is let go."""
+        wanted = {key for who, key in refs if who == owner}
+        self.kept = {key: routing for key, routing in self.kept.items() if key in wanted}
+
+    def export(self, owner: int, refs: Sequence[RoutingRef]) -> dict[int, torch.Tensor]:
+        """{key: routing} of the `refs` owned here (saved with an asynchronous run's checkpoint)."""
+        mine = [key for who, key in refs if who == owner]
+        missing = [key for key in mine if key not in self.kept]
+        if missing:
+            raise KeyError(f"routing {missing[:5]} of rank {owner} is not in its store: it was let go before it was trained")
+        return {key: self.kept[key] for key in mine}
+
+    def adopt(self, entries: dict[int, torch.Tensor]) -> None:
+        """Put back `export`ed routing under its keys (a resumed run); new keys follow them."""
+        clash = sorted(set(entries) & set(self.kept))
+        if clash:
+            raise RuntimeError(f"routing keys {clash[:5]} are in the store already: adopt into a fresh store")
+        self.kept.update({int(key): routing.cpu() for key, routing in entries.items()})
+        self._next_key = max([self._next_key, *(int(key) + 1 for key in entries)])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kept)
+        return sum(t.numel() * t.element_size() for t in self.kept.values())
 
 
 def plan_transfers(refs: Sequence[RoutingRef], needed_by: Sequence[Sequence[int]]) -> dict[tuple[int, int], list[int]]:

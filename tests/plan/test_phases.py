@@ -293,3 +293,18 @@ def test_separate_placement_notes_a_split_that_shares_a_node_and_a_useless_offlo
     shared = plan_for(["rollout.placement=separate", "rollout.num_gpus=8"], nodes=4, gpus_per_node=6)
     assert "rollout.num_gpus=8 does not split the 4 node(s) of 6 GPUs into whole nodes" in "\n".join(shared.notes)
     assert not any("whole nodes" in note for note in plan_for(["rollout.placement=separate", "rollout.num_gpus=8"]).notes)
+
+
+def test_separate_placement_notes_the_routing_the_head_keeps():
+    """MoE with the engine's routing in the separate placement: every sample reaches the head, so its
+    routing waits there until trained: a generation batch at full length, 1 + max_staleness of them."""
+    model = known("qwen3-30b-a3b")
+    overrides = ["parallel.tp=2", "parallel.ep=8", "parallel.sequence_parallel=true", "rollout.engine=vllm", "rollout.tp=2",
+                 "rollout.placement=separate", "rollout.num_gpus=8", "trainer.gen_batch_size=32", "trainer.train_batch_size=32",
+                 "rollout.n=8", "rollout.max_prompt_length=1024", "rollout.max_response_length=3072",
+                 "algorithm.overlong_buffer.len=1024", "trainer.max_staleness=2", "algorithm.tis_cap=2"]  # fmt: skip
+    batch = 32 * 8 * 4096 * model.num_layers * model.num_experts_per_tok / mp.GIB  # one byte an entry (128 experts)
+    notes = "\n".join(plan_for(overrides + ["actor.router_replay=r3"], model="qwen3-30b-a3b", nodes=3).notes)
+    assert f"keeps the engines' MoE routing of every sample not yet trained in host memory: {batch:.1f} GiB a generation batch" in notes
+    assert f"up to ~{3 * batch:.1f} GiB with trainer.max_staleness=2" in notes
+    assert "keeps the engines' MoE routing" not in "\n".join(plan_for(overrides + ["actor.router_replay=r2"], model="qwen3-30b-a3b", nodes=3).notes)

@@ -13,7 +13,11 @@ weights the current step starts from while it trains:
 * with partial rollouts and an engine slower than the update, pushes land in generations in flight:
   samples hold tokens of two versions, the token-level staleness is below the samples';
 * a checkpoint without that file cannot resume the asynchronous run (a named error), and a
-  resumed run from it would need it: the pure check in `async_state.load`.
+  resumed run from it would need it: the pure check in `async_state.load`;
+* MoE routing replay (the demo's tiny Qwen3-MoE, `actor.router_replay=r3`, DP=2 trainer, two steps
+  off so surplus groups stay within the bound): the engine's routing of groups carried over and of
+  batches in flight is replayed after a SIGTERM and resume as in the uninterrupted run, and the
+  checkpoint holds the carried groups' routing.
 """
 
 from __future__ import annotations
@@ -62,25 +66,62 @@ def test_one_step_off_trains_on_samples_at_most_one_version_old(straight):
 
 def test_sigterm_saves_the_samples_generated_ahead_and_the_resumed_run_equals_the_straight_one(straight, demo_workspace, tmp_path):
     output = tmp_path / "stopped"
+    resumed, _ = _stop_and_resume(lambda *extra: _args(demo_workspace, output, *extra), output, stop_after=2, total=STEPS)
+    _assert_equal_runs(resumed, straight, STEPS)
+
+
+def _stop_and_resume(args, output: Path, stop_after: int, total: int) -> tuple[dict[int, dict], Path]:
+    """Run `args` until SIGTERM after step `stop_after`, resume it to step `total`. Returns the
+    resumed run's metrics and the checkpoint the SIGTERM left (with its `async_state.pt`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cli(*_args(demo_workspace, output, f"trainer.total_steps={STEPS}"), nproc=3), cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    stopped = _sigterm_ranks_after_step(proc, output, step=2, timeout=600)
+    proc = subprocess.Popen(cli(*args(f"trainer.total_steps={total}"), nproc=3), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = _sigterm_ranks_after_step(proc, output, step=stop_after, timeout=600)
     assert stopped.returncode != 0 and "exitcode  : 143" in stopped.stdout, stopped.stdout[-4000:]
     assert "SIGTERM: checkpoint of step" in stopped.stdout, stopped.stdout[-4000:]
     saved = sorted((output / "checkpoints").glob("step_*"))
     assert saved and (saved[-1] / "async_state.pt").is_file()
-    stopped_at = max(read_metrics(output))
-    assert 2 <= stopped_at < STEPS
+    assert stop_after <= max(read_metrics(output)) < total
+    assert_ok(run_cli(*args(f"trainer.total_steps={total}", "--resume"), nproc=3, timeout=600))
+    return read_metrics(output), saved[-1]
 
-    assert_ok(run_cli(*_args(demo_workspace, output, f"trainer.total_steps={STEPS}", "--resume"), nproc=3, timeout=600))
-    resumed = read_metrics(output)
-    for step in range(1, STEPS + 1):
+
+def _assert_equal_runs(resumed: dict[int, dict], straight: dict[int, dict], steps: int) -> None:
+    for step in range(1, steps + 1):
         a, b = deterministic(resumed[step]), deterministic(straight[step])
         problems = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         assert not problems, f"step {step} differs after the resume:\n" + "\n".join(problems[:20])
+
+
+MOE_STEPS = 5
+MOE_ASYNC = ["rollout.placement=separate", "rollout.num_gpus=1", "trainer.max_staleness=2", "algorithm.tis_cap=2", "actor.router_replay=r3"]
+
+
+def test_moe_routing_replay_of_carried_and_in_flight_groups_survives_a_resume(moe_workspace, tmp_path):
+    import torch
+
+    def args(output):
+        return lambda *extra: ["train", "--config", str(CONFIG), *FAST, *MOE_ASYNC, *workspace_overrides(moe_workspace, output), *extra]
+
+    straight_out = tmp_path / "straight"
+    assert_ok(run_cli(*args(straight_out)(f"trainer.total_steps={MOE_STEPS}"), nproc=3, timeout=600))
+    straight = read_metrics(straight_out)
+    assert sorted(straight) == list(range(1, MOE_STEPS + 1))
+    for step, m in straight.items():
+        assert m["async/staleness_max"] <= 2, (step, m)
+        assert "rollout_mismatch/routing_token_frac" not in m, m  # the engine's routing is replayed: nothing to compare
+    assert straight[2]["train/num_groups_carried"] > 0 and straight[2]["train/num_gen_batches"] == 0  # step 1's surplus
+    assert max(m["async/staleness_max"] for m in straight.values()) == 2
+
+    # Step 3 carries groups over (the step-3 checkpoint holds them): the resume replays their routing.
+    stopped_out = tmp_path / "stopped"
+    resumed, checkpoint = _stop_and_resume(args(stopped_out), stopped_out, stop_after=3, total=MOE_STEPS)
+    _assert_equal_runs(resumed, straight, MOE_STEPS)
+    state = torch.load(checkpoint / "async_state.pt", weights_only=True)
+    assert state["engine_routing"] and state["carried"], f"{checkpoint.name} carries no groups"
+    refs = state["carried"]["fields"]["routing_ref"]
+    assert len(refs) == state["carried"]["groups"] * 4  # rollout.n samples a group, each its routing in the file
+    assert sorted(key for _, key in refs) == sorted(state["carried_routing"]) and {owner for owner, _ in refs} == {0}
+    assert all(result["routing"] is not None for batch in state["inflight"] for result in batch["results"])
 
 
 def _sigterm_ranks_after_step(proc: subprocess.Popen, output: Path, step: int, timeout: float) -> subprocess.CompletedProcess:

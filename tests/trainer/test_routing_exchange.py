@@ -29,7 +29,28 @@ def test_store_keeps_host_copies_and_empties():
     assert refs == [(5, 0), (5, 1)] and store.nbytes == 18
     assert store.keep(5, [torch.zeros(1, 1, 1, dtype=torch.int8)]) == [(5, 2)]
     store.clear()
-    assert store.nbytes == 0 and store.kept == []
+    assert store.nbytes == 0 and store.kept == {}
+    assert store.keep(5, [torch.zeros(1, 1, 1, dtype=torch.int8)]) == [(5, 3)]  # keys are never reused
+
+
+def test_store_retains_exports_and_adopts_the_routing_carried_over():
+    store = RoutingStore()
+    routings = [torch.full((i + 1, 2, 2), i, dtype=torch.int8) for i in range(4)]
+    refs = store.keep(1, routings)
+    carried = [refs[1], refs[3], (0, 1)]  # another owner's key 1 is not this store's
+    store.retain(1, carried)
+    assert sorted(store.kept) == [1, 3] and store.nbytes == (2 + 4) * 4
+    saved = store.export(1, carried)
+    assert sorted(saved) == [1, 3] and torch.equal(saved[3], routings[3])
+    with pytest.raises(KeyError, match=r"routing \[0\] of rank 1 is not in its store"):
+        store.export(1, [refs[0]])
+
+    resumed = RoutingStore()
+    resumed.adopt(saved)
+    assert torch.equal(resumed.kept[1], routings[1])
+    assert resumed.keep(1, [routings[0]]) == [(1, 4)]  # after the adopted keys: no alias
+    with pytest.raises(RuntimeError, match="in the store already"):
+        resumed.adopt({1: routings[1]})
 
 
 def test_each_rank_receives_exactly_its_replicas_rows():
