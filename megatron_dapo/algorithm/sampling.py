@@ -246,9 +246,15 @@ class DynamicSamplingBuffer:
             return 0
         if name is None:
             return self._carried_groups
-        values = self._carried[name]
-        fresh = sum(1 for value in (values.tolist() if isinstance(values, torch.Tensor) else values) if value >= oldest)
+        fresh = sum(1 for value in self.carried_values(name) if value >= oldest)
         return fresh // self.n_samples_per_prompt
+
+    def carried_values(self, name: str) -> list:
+        """After `take`: field `name` of the carried groups' samples, as a list (empty without any)."""
+        if not self._taken or self._carried is None or self._carried.get(name) is None:
+            return []
+        values = self._carried[name]
+        return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
     def carried_state(self) -> Optional[dict]:
         """After `take`: the carried groups ({"groups": count, "fields": {name: values}}), None

@@ -64,8 +64,7 @@ def capture(
 
 def _carried_routing(buffer: Any, store: RoutingStore) -> dict[int, torch.Tensor]:
     """{key: routing} of the carried groups, all in the head's store (the head contributed them)."""
-    carried = buffer.carried_state()
-    refs = list(carried["fields"].get("routing_ref") or []) if carried else []
+    refs = buffer.carried_values("routing_ref")
     strays = sorted({owner for owner, _ in refs if owner != HEAD_RANK})
     if strays:
         raise RuntimeError(f"carried groups keep their routing on ranks {strays}, not on the head: it would not be saved")

@@ -314,12 +314,8 @@ class DAPOTrainer:
                 self.routing_dtype, self.routing_store, group=meeting_group(),
             )  # fmt: skip
         finally:
-            self.routing_store.retain(dist.get_rank() if dist.is_initialized() else 0, self._carried_routing_refs())
-
-    def _carried_routing_refs(self) -> list:
-        """Where the routing of the groups carried over to the next step lives (none without carry-over)."""
-        carried = self.buffer.carried_state()
-        return list(carried["fields"].get("routing_ref") or []) if carried else []
+            # Asynchronous training: the groups carried over to the next step keep theirs.
+            self.routing_store.retain(dist.get_rank() if dist.is_initialized() else 0, self.buffer.carried_values("routing_ref"))
 
     def _old_log_probs(self, batch) -> dict[str, float]:
         """Set ``batch.old_log_probs`` and, with `actor.router_replay`, the ``routed_experts`` the update

@@ -52,9 +52,6 @@ class RoutingStore:
             self._next_key += 1
         return refs
 
-    def clear(self) -> None:
-        self.kept = {}
-
     def retain(self, owner: int, refs: Sequence[RoutingRef]) -> None:
         """Keep only the routing of `refs` owned here (`owner`, this rank): the groups a step carries
         over; the rest (trained, or dropped by dynamic sampling) is let go."""

@@ -25,7 +25,7 @@ def test_without_carry_over_the_surplus_is_dropped_and_the_stats_unchanged():
     buf.add(*_batch(0, 3, version=0))
     assert buf.take()["uid"] == [0, 0, 1, 1]
     assert "num_groups_carried" not in buf.stats and "num_groups_stale_dropped" not in buf.stats
-    assert buf.num_carried_groups() == 0
+    assert buf.num_carried_groups() == 0 and buf.carried_values("uid") == []
     buf.add(*_batch(10, 2, version=1))
     assert buf.take()["uid"] == [10, 10, 11, 11]  # group 2 did not come back
 
@@ -36,6 +36,7 @@ def test_carry_over_keeps_the_surplus_in_arrival_order_for_the_next_step():
     assert buf.take()["uid"] == [0, 0, 1, 1]
     assert buf.num_carried_groups() == 1
     assert buf.num_carried_groups("weight_version", 0) == 1 and buf.num_carried_groups("weight_version", 1) == 0
+    assert buf.carried_values("token") == [20, 21] and buf.carried_values("no such field") == []
     buf.add(*_batch(10, 3, version=1))
     assert buf.is_full
     taken = buf.take()
