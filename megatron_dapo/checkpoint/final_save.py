@@ -77,11 +77,18 @@ def final_save_fits(shares: Sequence[RankShare], headroom: float = HEADROOM) -> 
         return True, "nothing is gathered"
     host = max(need, key=lambda h: (need[h] - headroom * available[h], need[h]))
     fits = all(bytes_ <= headroom * available[h] for h, bytes_ in need.items())
-    gib = 2**30
     return fits, (
-        f"the fully_reshardable final save would gather {need[host] / gib:.1f} GiB of optimizer state on node {host}, "
-        f"which has {available[host] / gib:.1f} GiB available ({headroom:.0%} of it usable)"
+        f"the fully_reshardable final save would gather {_size(need[host])} of optimizer state on node {host}, "
+        f"which has {_size(available[host])} available ({headroom:.0%} of it usable)"
     )
+
+
+def _size(num_bytes: float) -> str:
+    """`num_bytes` in the largest binary unit that keeps it >= 1 (a tiny model's state is not "0.0 GiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"
 
 
 def available_host_memory(meminfo: str = "/proc/meminfo") -> int:

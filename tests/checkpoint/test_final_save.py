@@ -102,7 +102,8 @@ def test_the_final_save_writes_model_space_when_the_node_cannot_hold_the_gather(
     monkeypatch.setattr(final_save, "available_host_memory", lambda: 1000)  # bytes: less than 12 x 100 parameters
     assert final_optimizer_format(_fake_actor(100), _cfg(), say=say) == "fully_sharded_model_space"
     assert len(said) == 1 and said[0].startswith("[megatron-dapo] final checkpoint: fully_sharded_model_space, not fully_reshardable")
-    assert "would gather 0.0 GiB" in said[0] and "nothing is gathered" in said[0] and "resumes at any layout" in said[0]
+    assert "would gather 1.2 KiB of optimizer state" in said[0] and "which has 1000 B available" in said[0]
+    assert "nothing is gathered" in said[0] and "resumes at any layout" in said[0]
     monkeypatch.setattr(final_save, "available_host_memory", lambda: 10**9)
     assert final_optimizer_format(_fake_actor(100), _cfg(), say=say) == "fully_reshardable"
     assert said[1].startswith("[megatron-dapo] final checkpoint: fully_reshardable (")
