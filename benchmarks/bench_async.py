@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_dapo.distributed.launch import find_free_port  # noqa: E402
 from tests.support.trainer_runs import FAST  # noqa: E402  (after the path)
 
 SLEEP_ENV = "MEGATRON_DAPO_BENCH_GENERATE_SLEEP_S"
@@ -106,9 +106,7 @@ def run_arm(
 ) -> list[dict]:
     """One 2-process run (`RUN` + `overrides`) with `entry --rank` as each rank's program and `env`
     beside the usual; its metrics.jsonl records of steps 1..N (bench_partial.py runs its arms here too)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = find_free_port()
     overrides = [
         *RUN, *overrides, f"trainer.total_steps={steps}", f"model.hf_dir={workspace['model']}",
         f"data.train_files=[{workspace['train']}]", f"data.val_files=[{workspace['val']}]", f"trainer.output_dir={output}",

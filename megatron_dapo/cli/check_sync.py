@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Mapping, Optional
 
 import megatron_dapo
 from megatron_dapo.cli.main import check_flags
+from megatron_dapo.distributed.launch import find_free_port
 from megatron_dapo.errors import InputError, StopError
 
 RESULT_FILE_ENV = "MEGATRON_DAPO_CHECK_SYNC_RESULT"
@@ -158,9 +158,7 @@ def processes(args: argparse.Namespace) -> int:
 
 def _relaunch(args: argparse.Namespace, nproc: int) -> bool:
     """Run this command on `nproc` local processes under torch.distributed.run; True when it passed."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = find_free_port()
     package_root = str(Path(megatron_dapo.__file__).resolve().parent.parent)
     with tempfile.TemporaryDirectory(prefix="check_sync_") as tmp:
         result_file = Path(tmp) / "result.json"

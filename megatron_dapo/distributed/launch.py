@@ -8,11 +8,11 @@ answer to create the process groups.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 from dataclasses import dataclass
-from typing import Mapping, Optional
-
+from typing import Callable, Mapping, Optional
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -85,8 +85,57 @@ def parse_slurm_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+# Rendezvous ports are drawn from LISTEN_PORT_FLOOR up to the start of the ephemeral range. The
+# floor sits above the SGLang engines' own ports (`sglang.engine.engine_ports`: 20000 + 2 * 64 * 8).
+LISTEN_PORT_FLOOR = 22000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LINUX_DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
+PORT_DRAWS = 64
+
+
+def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports the kernel hands out to outgoing connections and to binds of port 0 (Linux's
+    `ip_local_port_range`; its default where the file cannot be read, as on macOS)."""
+    try:
+        low, high = (int(part) for part in open(path).read().split())
+    except (OSError, ValueError):
+        return LINUX_DEFAULT_EPHEMERAL_RANGE
+    return low, high
+
+
+def _nothing_listens(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))  # no SO_REUSEADDR: a port still in TIME_WAIT counts as taken
+        except OSError:
+            return False
+    return True
+
+
+def find_free_port(
+    host: str = "127.0.0.1",
+    rng: Optional[random.Random] = None,
+    is_free: Optional[Callable[[str, int], bool]] = None,
+    ephemeral: Optional[tuple[int, int]] = None,
+) -> int:
+    """A TCP port for a rendezvous server that a launcher will bind in a moment: free now and drawn
+    at random below the ephemeral range.
+
+    Why not the OS's pick (bind to port 0): that port is an ephemeral one, and between this check and
+    the launcher's bind the kernel may give it to any outgoing connection on the machine (gloo's
+    pairs, vLLM's and SGLang's sockets, another test's ranks): CI saw torchrun fail with EADDRINUSE
+    that way. Below the range only an explicit listener can take the port, and a random draw from
+    some ten thousand makes two launchers that start together unlikely to meet. Where the ephemeral
+    range leaves no room below it, the OS's pick is the fallback.
+    """
+    rng = rng or random.SystemRandom()
+    is_free = is_free or _nothing_listens
+    low = (ephemeral or ephemeral_port_range())[0]
+    if low - LISTEN_PORT_FLOOR >= PORT_DRAWS:
+        for _ in range(PORT_DRAWS):
+            port = rng.randrange(LISTEN_PORT_FLOOR, low)
+            if is_free(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

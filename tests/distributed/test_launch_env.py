@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import random
+import socket
+
 import pytest
 
-from megatron_dapo.distributed.launch import parse_slurm_hostlist, resolve_launch_env, slurm_master_port
+from megatron_dapo.distributed.launch import (
+    LISTEN_PORT_FLOOR,
+    PORT_DRAWS,
+    ephemeral_port_range,
+    find_free_port,
+    parse_slurm_hostlist,
+    resolve_launch_env,
+    slurm_master_port,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,3 +90,35 @@ def test_single_process_when_nothing_is_set():
     assert (launch.rank, launch.world_size, launch.local_rank, launch.source) == (0, 1, 0, "single")
     assert (launch.master_addr, launch.master_port) == ("127.0.0.1", 31337)
     assert resolve_launch_env({}).master_port > 0  # a free port is found when none is given
+
+
+def test_a_rendezvous_port_is_drawn_below_the_ephemeral_range_and_skips_taken_ones():
+    """The port must not be one the kernel can hand to an outgoing connection before the launcher
+    binds it (CI: torchrun's EADDRINUSE on an OS-picked port), and one that is taken is passed over."""
+    taken = set(range(LISTEN_PORT_FLOOR, 30000))
+    rng = random.Random(0)
+    ports = [find_free_port(rng=rng, is_free=lambda host, port: port not in taken, ephemeral=(32768, 60999)) for _ in range(50)]
+    assert all(30000 <= port < 32768 for port in ports)
+    assert len(set(ports)) > 40  # drawn at random, so two launchers starting together rarely meet
+
+
+def test_a_port_found_on_this_machine_can_be_listened_on():
+    low, _ = ephemeral_port_range()
+    port = find_free_port()
+    if low - LISTEN_PORT_FLOOR >= PORT_DRAWS:  # the range leaves room below it (Linux's default does)
+        assert LISTEN_PORT_FLOOR <= port < low
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+
+
+def test_without_room_below_the_ephemeral_range_the_os_picks():
+    asked = []
+    port = find_free_port(is_free=lambda host, port: asked.append(port) or True, ephemeral=(1024, 65535))
+    assert asked == [] and port > 0
+    assert find_free_port(is_free=lambda host, port: False, ephemeral=(32768, 60999)) > 0  # every draw taken: OS's pick
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel_or_defaults(tmp_path):
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert ephemeral_port_range(str(tmp_path / "range")) == (40000, 50000)
+    assert ephemeral_port_range(str(tmp_path / "missing")) == (32768, 60999)

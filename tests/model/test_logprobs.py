@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # when run as a rank script
     sys.path.insert(0, str(REPO_ROOT))
 
+from megatron_dapo.distributed.launch import find_free_port  # noqa: E402
 from megatron_dapo.model.logprobs import token_log_probs_and_entropy  # noqa: E402
 
 
@@ -240,15 +240,9 @@ def _rank_main(rank: int, world_size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.timeout(180)
 def test_tensor_parallel_2_and_4_match_single_process():
-    world_size, port = 4, _free_port()
+    world_size, port = 4, find_free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(

@@ -29,13 +29,14 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+from megatron_dapo.distributed.launch import find_free_port
 
 __all__ = ["SlurmCluster", "SlurmJob", "SlurmSubmission", "SlurmUnavailable", "ensure_installed", "find_binary"]
 
@@ -89,12 +90,6 @@ def ensure_installed(timeout_s: float = 600.0) -> None:
             )
     if _missing_binaries():
         raise SlurmUnavailable(f"installed {' '.join(PACKAGES)} but {', '.join(_missing_binaries())} still missing")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -315,8 +310,8 @@ ClusterName=mdapotest
 SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={find_free_port()}
+SlurmdPort={find_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket},cred_expire=10

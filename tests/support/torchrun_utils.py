@@ -35,7 +35,6 @@ import json
 import threading
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_dapo.distributed.launch import find_free_port
 from tests.support import rank_zygote
 
 __all__ = [
@@ -114,10 +114,9 @@ def launch_slot():
 
 
 def free_port() -> int:
-    """A local TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A local TCP port for a rank-0 rendezvous server (`launch.find_free_port`: below the ephemeral
+    range, where no outgoing connection can be handed it before the server binds it)."""
+    return find_free_port()
 
 
 def write_rank_result(obj: Any) -> None:
