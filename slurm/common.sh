@@ -64,7 +64,9 @@ dapo_setup() {
     MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
     [ -n "$MASTER_ADDR" ] || dapo_die "could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
     export MASTER_ADDR
-    export MASTER_PORT="${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 20000))}"
+    # launch.slurm_master_port's formula: below the kernel's ephemeral ports (32768 on), which an
+    # outgoing connection could take before rank 0 binds this one.
+    export MASTER_PORT="${MASTER_PORT:-$((22000 + SLURM_JOB_ID % 10000))}"
 
     # Threads per task: the CPUs SLURM gave it (many tasks share a node; oversubscription is slow).
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"

@@ -154,14 +154,22 @@ class LaunchEnv:
     """"torchrun", "slurm" or "single"."""
 
 
+SLURM_PORT_SPAN = 10000
+"""A SLURM job's derived port is LISTEN_PORT_FLOOR + job id % SLURM_PORT_SPAN: 22000-31999, below
+Linux's default ephemeral range like `find_free_port`'s (an ephemeral port can be handed to an
+outgoing connection on the master node before rank 0 binds it) and above the SGLang engines' ports.
+A fixed span, not the node's own `ip_local_port_range`: every task must derive the same port."""
+
+
 def slurm_master_port(env: Mapping[str, str]) -> int:
-    """MASTER_PORT if set, else a port derived from SLURM_JOB_ID (same on every task of the job)."""
+    """MASTER_PORT if set, else a port derived from SLURM_JOB_ID (same on every task of the job;
+    slurm/common.sh exports the same formula)."""
     if env.get("MASTER_PORT"):
         return int(env["MASTER_PORT"])
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if not job_id or not job_id.strip().isdigit():
         raise ValueError("SLURM launch without MASTER_PORT or a numeric SLURM_JOB_ID: export MASTER_PORT in the sbatch script")
-    return 15000 + int(job_id) % 20000
+    return LISTEN_PORT_FLOOR + int(job_id) % SLURM_PORT_SPAN
 
 
 def resolve_launch_env(env: Optional[Mapping[str, str]] = None, free_port: Optional[int] = None) -> LaunchEnv:

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from megatron_dapo.distributed.launch import (
+    LINUX_DEFAULT_EPHEMERAL_RANGE,
     LISTEN_PORT_FLOOR,
     PORT_DRAWS,
     ephemeral_port_range,
@@ -69,7 +70,7 @@ def test_slurm_environment_takes_first_host_and_job_port():
     launch = resolve_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank, launch.source) == (5, 16, 1, "slurm")
     assert launch.master_addr == "gpu07"
-    assert launch.master_port == 15000 + 123456 % 20000
+    assert launch.master_port == 22000 + 123456 % 10000
     assert 1024 < launch.master_port < 65536
 
 
@@ -77,7 +78,14 @@ def test_slurm_port_and_address_overrides():
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "x[1-2]", "MASTER_PORT": "40000", "MASTER_ADDR": "ib-x1"}
     launch = resolve_launch_env(env)
     assert (launch.master_addr, launch.master_port) == ("ib-x1", 40000)
-    assert slurm_master_port({"SLURM_JOB_ID": "7"}) == slurm_master_port({"SLURM_JOB_ID": "7"}) == 15007
+    assert slurm_master_port({"SLURM_JOB_ID": "7"}) == slurm_master_port({"SLURM_JOB_ID": "7"}) == 22007
+
+
+def test_every_slurm_job_port_lies_below_the_ephemeral_range():
+    ports = {slurm_master_port({"SLURM_JOB_ID": str(job_id)}) for job_id in range(0, 100_000, 7)}
+    assert min(ports) == LISTEN_PORT_FLOOR
+    assert max(ports) < LINUX_DEFAULT_EPHEMERAL_RANGE[0]
+    assert len(ports) == 10_000  # consecutive job ids get distinct ports
 
 
 def test_slurm_without_port_source_is_an_error():

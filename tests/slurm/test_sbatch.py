@@ -112,7 +112,7 @@ def rendezvous_job(slurm_cluster, tmp_path_factory):
 
 def test_srun_rendezvous_and_all_reduce(rendezvous_job):
     job, tmp_path = rendezvous_job
-    expected_port = 15000 + job.job_id % 20000  # common.sh and slurm_master_port use the same formula
+    expected_port = 22000 + job.job_id % 10000  # common.sh and slurm_master_port use the same formula
     results = {}
     for rank in (0, 1):
         path = tmp_path / f"rank{rank}.json"
