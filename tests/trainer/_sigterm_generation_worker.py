@@ -61,4 +61,7 @@ def main(generate_s: float, armed: bool) -> None:
         out["after_sigterm_s"] = ended - float((results / "sent").read_text())
         out["batch_s"] = ended - started
     write_rank_result(out)
-    teardown()
+    # As the trainer ends a preempted run (loop.train: TrainingInterrupted is orderly): rank 0 hosts
+    # the job's store here and must not exit while rank 1 still reads the meeting's outcome from it
+    # (CI: rank 1's poll got "Connection reset by peer" when rank 0, called off first, had gone).
+    teardown(together=True)
