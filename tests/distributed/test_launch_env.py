@@ -85,7 +85,7 @@ def test_every_slurm_job_port_lies_below_the_ephemeral_range():
     ports = {slurm_master_port({"SLURM_JOB_ID": str(job_id)}) for job_id in range(0, 100_000, 7)}
     assert min(ports) == LISTEN_PORT_FLOOR
     assert max(ports) < LINUX_DEFAULT_EPHEMERAL_RANGE[0]
-    assert len(ports) == 10_000  # consecutive job ids get distinct ports
+    assert len(ports) == 10_000  # every port of the span is some job's: 10,000 jobs in a row get distinct ones
 
 
 def test_slurm_without_port_source_is_an_error():
