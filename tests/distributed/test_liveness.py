@@ -41,14 +41,30 @@ def test_configure_checks_its_values():
 
 
 
-def _rank1(store, *, beats_for_s: float, arrives_after_s: float | None) -> threading.Thread:
+@pytest.fixture
+def rank1(liveness_job):
+    """Starts rank 1 (`_rank1`) in the test's store; its thread is stopped and joined when the test
+    ends, so it never touches the store while the interpreter shuts down."""
+    stop = threading.Event()
+    threads = []
+
+    def start(*, beats_for_s: float, arrives_after_s: float | None) -> None:
+        threads.append(_rank1(liveness_job, stop, beats_for_s=beats_for_s, arrives_after_s=arrives_after_s))
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=10)
+
+
+def _rank1(store, stop: threading.Event, *, beats_for_s: float, arrives_after_s: float | None) -> threading.Thread:
     """Rank 1: beats like `_Heart` for `beats_for_s`, then falls silent; arrives at the meeting after
-    `arrives_after_s` (None: never)."""
+    `arrives_after_s` (None: never); ends once `stop` is set."""
 
     def run():
         started = time.monotonic()
         arrived = False
-        while True:
+        while not stop.is_set():
             elapsed = time.monotonic() - started
             if elapsed < beats_for_s:
                 store.add("beat/1", 1)
@@ -58,15 +74,15 @@ def _rank1(store, *, beats_for_s: float, arrives_after_s: float | None) -> threa
                 arrived = True
             if elapsed > max(beats_for_s, arrives_after_s or 0) + 1:
                 return
-            time.sleep(liveness.beat_interval(WINDOW_S))
+            stop.wait(liveness.beat_interval(WINDOW_S))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
 
 
-def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(liveness_job):
-    _rank1(liveness_job, beats_for_s=0.5, arrives_after_s=None)  # dies half a second into the wait
+def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(rank1):
+    rank1(beats_for_s=0.5, arrives_after_s=None)  # dies half a second into the wait
     started = time.monotonic()
     with pytest.raises(liveness.RankUnresponsive, match=r"rank\(s\) \[1\] stopped beating"):
         liveness.await_ranks([0, 1], "gather", what="the test's gather")
@@ -74,8 +90,8 @@ def test_a_rank_that_stops_beating_ends_the_wait_within_the_window(liveness_job)
     assert waited < 0.5 + 2 * WINDOW_S, waited  # ~1.5 windows after its last beat, not an hour
 
 
-def test_a_rank_that_beats_is_waited_for_beyond_the_window(liveness_job):
-    _rank1(liveness_job, beats_for_s=10, arrives_after_s=4 * WINDOW_S)  # slow, alive
+def test_a_rank_that_beats_is_waited_for_beyond_the_window(rank1):
+    rank1(beats_for_s=10, arrives_after_s=4 * WINDOW_S)  # slow, alive
     waited = liveness.await_ranks([0, 1], "gather")
     assert 4 * WINDOW_S - 0.5 < waited < 4 * WINDOW_S + 2, waited
 
@@ -97,9 +113,9 @@ def test_a_store_that_stops_answering_ends_the_wait_within_the_window(liveness_j
     assert time.monotonic() - started < 2 * WINDOW_S
 
 
-def test_a_live_rank_that_never_arrives_ends_at_the_limit(liveness_job):
+def test_a_live_rank_that_never_arrives_ends_at_the_limit(rank1):
     liveness.configure(limit_s=2 * WINDOW_S)
-    _rank1(liveness_job, beats_for_s=10, arrives_after_s=None)
+    rank1(beats_for_s=10, arrives_after_s=None)
     with pytest.raises(TimeoutError, match=r"rollout.gather_timeout_s=2 s"):
         liveness.await_ranks([0, 1], "gather")
 
@@ -126,10 +142,10 @@ def _arrive_as_rank1(store, n: int = 0) -> None:
     store.add(f"count/gather/{n}", 1)
 
 
-def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(liveness_job):
+def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(liveness_job, rank1):
     """This rank is told to stop while it waits (its SIGTERM, `calling_off_when`): the wait ends at
     the next poll, and rank 1, arriving later, finds the same outcome."""
-    _rank1(liveness_job, beats_for_s=10, arrives_after_s=None)  # alive: only the call-off ends the wait
+    rank1(beats_for_s=10, arrives_after_s=None)  # alive: only the call-off ends the wait
     asked = []
     threading.Timer(0.5, lambda: asked.append(True)).start()
     started = time.monotonic()
@@ -140,11 +156,11 @@ def test_a_meeting_called_off_while_waiting_ends_for_this_rank_and_the_others(li
     assert liveness_job.compare_set("outcome/gather/0", "", "done") == b"off"  # what rank 1's wait ends with
 
 
-def test_another_rank_calling_off_ends_this_ones_wait(liveness_job):
+def test_another_rank_calling_off_ends_this_ones_wait(liveness_job, rank1):
     # Rank 1 beats throughout, as a live rank's heart thread does while its SIGTERM handler runs; without
     # it a loaded machine that delays the call-off past the window (1 s) ends the wait as
     # RankUnresponsive instead (CI, stack 2).
-    _rank1(liveness_job, beats_for_s=10, arrives_after_s=None)
+    rank1(beats_for_s=10, arrives_after_s=None)
 
     def rank1_calls_off():
         time.sleep(0.5)  # rank 1's SIGTERM handler, while its engine generates (`liveness.call_off`)
